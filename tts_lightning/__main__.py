@@ -1,0 +1,88 @@
+"""The `tts-lightning` command: LightningCLI subcommands plus the project's own tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _tiny_model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning tiny-model",
+        description="Build a tiny random-weight Qwen3-TTS 12 Hz pretrained directory (offline).",
+    )
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-type", choices=("base", "custom_voice"), default="base")
+    args = parser.parse_args(argv)
+    from tts_lightning.model.tiny import build_tiny_pretrained
+
+    print(build_tiny_pretrained(args.path, seed=args.seed, model_type=args.model_type))
+    return 0
+
+
+def _synthesize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning synthesize",
+        description="Speak texts with a custom_voice model (--speaker) or clone a voice with a base model (--ref-audio).",
+    )
+    parser.add_argument("--model", required=True, help="model directory (exported, pretrained or tiny)")
+    parser.add_argument("--text", action="append", default=[], help="text to speak; repeat for several")
+    parser.add_argument("--text-file", type=Path, help="one text per line")
+    parser.add_argument("--speaker", help="speaker name of a custom_voice model")
+    parser.add_argument("--ref-audio", type=Path, help="reference clip for a base model")
+    parser.add_argument("--language", default="Auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--out", type=Path, required=True,
+                        help="output .wav (one text) or folder (several texts)")
+    args = parser.parse_args(argv)
+    texts = list(args.text)
+    if args.text_file:
+        texts += [t.strip() for t in args.text_file.read_text().splitlines() if t.strip()]
+    if not texts:
+        parser.error("give --text or --text-file")
+
+    import soundfile as sf
+
+    from tts_lightning.model.synthesis import synthesize
+
+    wavs, sr = synthesize(args.model, texts, speaker=args.speaker, ref_audio=args.ref_audio,
+                          language=args.language, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
+        outs = [args.out]
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]
+    for wav, out in zip(wavs, outs):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sf.write(str(out), wav, sr)
+        print(f"{out}  {len(wav) / sr:.2f} s")
+    return 0
+
+
+TOOLS = {
+    "tiny-model": _tiny_model,
+    "synthesize": _synthesize,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        return TOOLS[argv[0]](argv[1:])
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        from tts_lightning.cli import cli_main
+
+        cli_main(argv)
+        return 0
+    commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
+    print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

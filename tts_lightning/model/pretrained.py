@@ -1,0 +1,179 @@
+"""Open a Qwen3-TTS 12 Hz pretrained directory (local path or hub id) and say clearly what is wrong.
+
+Transformers reports a broken directory with a stack trace from deep inside its loaders; every check
+here names the directory, the file and the problem instead. The tiny random model and the released
+checkpoints go through exactly the same functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TTS_MODEL_TYPES = ("base", "custom_voice", "voice_design")
+TEXT_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+class PretrainedError(ValueError):
+    """A pretrained directory is missing, incomplete or not a Qwen3-TTS 12 Hz checkpoint."""
+
+
+@dataclass(frozen=True)
+class PretrainedInfo:
+    path: Path
+    tts_model_type: str
+    config: dict
+
+    @property
+    def speech_tokenizer_dir(self) -> Path:
+        return self.path / "speech_tokenizer"
+
+    @property
+    def num_code_groups(self) -> int:
+        return int(self.config["talker_config"]["num_code_groups"])
+
+    @property
+    def speakers(self) -> dict[str, int]:
+        return dict(self.config["talker_config"].get("spk_id") or {})
+
+
+def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
+    """A local directory as it is; anything else is taken as a hub id and downloaded (cached)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(name_or_path)
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise PretrainedError(f"pretrained directory {text!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text)).resolve()
+    except Exception as exc:  # network, auth, unknown repo: all end the same way for the user
+        raise PretrainedError(
+            f"{text!r} is not a local directory and could not be downloaded from the hub "
+            f"({type(exc).__name__}: {exc}). Pass a local directory, or build a tiny one with "
+            "`tts-lightning tiny-model PATH`."
+        ) from exc
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise PretrainedError(f"{path.parent}: {what} missing ({path.name} not found)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PretrainedError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def check_pretrained(name_or_path: str | os.PathLike, *, require_type: str | None = None) -> PretrainedInfo:
+    """Resolve and validate a pretrained directory; raise `PretrainedError` naming what is wrong."""
+    path = resolve_pretrained(name_or_path)
+    config = _read_json(path / "config.json", "model config")
+    if config.get("model_type") != "qwen3_tts":
+        raise PretrainedError(
+            f"{path / 'config.json'}: model_type is {config.get('model_type')!r}, expected 'qwen3_tts' "
+            "(this is not a Qwen3-TTS checkpoint)"
+        )
+    tts_type = config.get("tts_model_type")
+    if tts_type not in TTS_MODEL_TYPES:
+        raise PretrainedError(
+            f"{path / 'config.json'}: tts_model_type is {tts_type!r}, expected one of {TTS_MODEL_TYPES}"
+        )
+    if require_type is not None and tts_type != require_type:
+        raise PretrainedError(
+            f"{path / 'config.json'}: tts_model_type is {tts_type!r}, but {require_type!r} is required"
+            + (" (fine-tuning starts from a *-Base model)" if require_type == "base" else "")
+        )
+    if config.get("tokenizer_type") != "qwen3_tts_tokenizer_12hz":
+        raise PretrainedError(
+            f"{path / 'config.json'}: tokenizer_type is {config.get('tokenizer_type')!r}; only the 12 Hz "
+            "models (tokenizer_type 'qwen3_tts_tokenizer_12hz') are supported"
+        )
+    if not isinstance(config.get("talker_config"), dict):
+        raise PretrainedError(f"{path / 'config.json'}: talker_config missing")
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+        raise PretrainedError(f"{path}: model weights missing (model.safetensors not found)")
+    _read_json(path / "generation_config.json", "generation config")
+    missing = [f for f in TEXT_TOKENIZER_FILES if not (path / f).is_file()]
+    if missing:
+        raise PretrainedError(f"{path}: text tokenizer incomplete, missing {', '.join(missing)}")
+    speech = path / "speech_tokenizer"
+    if not speech.is_dir():
+        raise PretrainedError(f"{path}: speech tokenizer missing (no speech_tokenizer/ folder)")
+    speech_cfg = _read_json(speech / "config.json", "speech tokenizer config")
+    if speech_cfg.get("model_type") != "qwen3_tts_tokenizer_12hz":
+        raise PretrainedError(
+            f"{speech / 'config.json'}: model_type is {speech_cfg.get('model_type')!r}, "
+            "expected 'qwen3_tts_tokenizer_12hz'"
+        )
+    _read_json(speech / "preprocessor_config.json", "speech tokenizer feature-extractor config")
+    if not (speech / "model.safetensors").is_file():
+        raise PretrainedError(f"{speech}: speech tokenizer weights missing (model.safetensors not found)")
+    return PretrainedInfo(path=path, tts_model_type=tts_type, config=config)
+
+
+def load_config(info: PretrainedInfo, attn_implementation: str = "sdpa"):
+    from qwen_tts.core.models import Qwen3TTSConfig
+
+    config = Qwen3TTSConfig.from_pretrained(str(info.path))
+    config._attn_implementation = attn_implementation
+    config.talker_config._attn_implementation = attn_implementation
+    config.talker_config.code_predictor_config._attn_implementation = attn_implementation
+    return config
+
+
+def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (optionally only those under ``prefix``), in their stored dtype."""
+    from safetensors import safe_open
+
+    index = info.path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(info.path / name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    state[key] = f.get_tensor(key)
+    return state
+
+
+def build_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa", load_weights: bool = True):
+    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights (no speech tokenizer:
+    training does not need it, and the official `from_pretrained` always loads it)."""
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+
+    model = Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
+    if load_weights:
+        state = load_state_dict(info)
+        result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise PretrainedError(
+                f"{info.path}: weights do not match the config (missing {result.missing_keys[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]})"
+            )
+    return model
+
+
+def load_text_tokenizer(info: PretrainedInfo):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(info.path))
+
+
+def load_speech_tokenizer(info: PretrainedInfo, device: str | torch.device = "cpu"):
+    from qwen_tts import Qwen3TTSTokenizer
+
+    tokenizer = Qwen3TTSTokenizer.from_pretrained(str(info.speech_tokenizer_dir))
+    tokenizer.model.to(device)
+    tokenizer.device = torch.device(device)
+    return tokenizer

@@ -1,0 +1,449 @@
+"""Build a tiny, random-weight but complete Qwen3-TTS 12 Hz pretrained directory, offline.
+
+The directory has the released layout (model config + weights, generation config, text tokenizer,
+processor config, ``speech_tokenizer/``) and is built from the real ``qwen_tts`` classes, so every
+code path that opens ``Qwen/Qwen3-TTS-12Hz-1.7B-Base`` opens it the same way. Only the sizes differ:
+16 codebooks, 24 kHz and 1920 samples per frame are kept exactly; widths, depths and the codebook
+size are small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
+
+NUM_CODE_GROUPS = 16
+SAMPLE_RATE = 24_000
+SAMPLES_PER_FRAME = 1920
+
+# Text side. Generation slices the chat template by position ([:3], [3:-5]), so "assistant" and
+# "\n" must each be one token; the specials are pinned at fixed ids after the learned vocabulary.
+TEXT_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+]
+TEXT_BPE_VOCAB = 400  # learned byte-level BPE entries, ids 0..399; specials follow
+TEXT_VOCAB_SIZE = 512
+
+_CORPUS = (
+    "<|im_start|>assistant\nThe quick brown fox jumps over the lazy dog.<|im_end|>\n"
+    "<|im_start|>user\nPlease read this sentence aloud, clearly and slowly.<|im_end|>\n"
+    "Hello world, this is a small voice. It speaks in short sentences and numbers 0 1 2 3 4 5 6 7 8 9. "
+    "Speech synthesis turns written text into sound; a speaker's voice has pitch, timbre and rhythm. "
+    "Training a model on a few minutes of clips can clone a voice, if the data are clean and varied. "
+)
+
+
+def _special_id(token: str) -> int:
+    return TEXT_BPE_VOCAB + TEXT_SPECIAL_TOKENS.index(token)
+
+
+def _codec_ids(codebook_size: int) -> dict:
+    """Special codec ids laid out as in the released models: codebook entries first, then a block
+    of 1024 ids holding the specials (generation suppresses that block except ``codec_eos``)."""
+    base = codebook_size
+    return {
+        "vocab_size": codebook_size + 1024,
+        "codec_pad_id": base + 100,
+        "codec_bos_id": base + 101,
+        "codec_eos_token_id": base + 102,
+        "codec_think_id": base + 106,
+        "codec_nothink_id": base + 107,
+        "codec_think_bos_id": base + 108,
+        "codec_think_eos_id": base + 109,
+        "codec_language_id": {
+            "chinese": base + 7,
+            "english": base + 2,
+            "german": base + 5,
+            "french": base + 13,
+            "japanese": base + 10,
+        },
+    }
+
+
+def tiny_configs(model_type: str = "base", codebook_size: int = 256) -> tuple[dict, dict]:
+    """The model config and the speech-tokenizer config of the tiny directory, as plain dicts."""
+    if model_type not in ("base", "custom_voice"):
+        raise ValueError(f"model_type must be 'base' or 'custom_voice', got {model_type!r}")
+    hidden, text_hidden, cp_hidden = 64, 48, 32
+    codec = _codec_ids(codebook_size)
+    spk_id, spk_is_dialect = {}, {}
+    if model_type == "custom_voice":
+        # Built-in speakers as a released CustomVoice model has them (ids below the specials' block).
+        spk_id = {"vivian": codebook_size + 300, "ryan": codebook_size + 301}
+        spk_is_dialect = {"vivian": False, "ryan": False}
+    talker = {
+        **codec,
+        "hidden_size": hidden,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True},
+        "num_code_groups": NUM_CODE_GROUPS,
+        "text_hidden_size": text_hidden,
+        "text_vocab_size": TEXT_VOCAB_SIZE,
+        "spk_id": spk_id,
+        "spk_is_dialect": spk_is_dialect,
+        "code_predictor_config": {
+            "vocab_size": codebook_size,
+            "hidden_size": cp_hidden,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "max_position_embeddings": 64,
+            "num_code_groups": NUM_CODE_GROUPS,
+        },
+    }
+    model = {
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "model_type": "qwen3_tts",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_size": "tiny",
+        "tts_model_type": model_type,
+        "im_start_token_id": _special_id("<|im_start|>"),
+        "im_end_token_id": _special_id("<|im_end|>"),
+        "tts_pad_token_id": _special_id("<tts_pad>"),
+        "tts_bos_token_id": _special_id("<tts_text_bos>"),
+        "tts_eos_token_id": _special_id("<tts_text_eod>"),
+        "talker_config": talker,
+        "speaker_encoder_config": {
+            "mel_dim": 128,
+            "enc_dim": hidden,  # the x-vector goes straight into the talker's speaker slot
+            "enc_channels": [32, 32, 32, 32, 96],
+            "enc_kernel_sizes": [5, 3, 3, 3, 1],
+            "enc_dilations": [1, 2, 3, 4, 1],
+            "enc_attention_channels": 16,
+            "enc_res2net_scale": 4,
+            "enc_se_channels": 16,
+            "sample_rate": SAMPLE_RATE,
+        },
+    }
+    # Encoder: Mimi at 24 kHz with a hop of 8*6*5*4 = 960 (25 Hz), halved to 12.5 Hz by the stride-2
+    # downsample Mimi adds when frame_rate differs; decoder hop 2*2*8*5*4*3 = 1920.
+    speech = {
+        "architectures": ["Qwen3TTSTokenizerV2Model"],
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "encoder_valid_num_quantizers": NUM_CODE_GROUPS,
+        "input_sample_rate": SAMPLE_RATE,
+        "output_sample_rate": SAMPLE_RATE,
+        "decode_upsample_rate": SAMPLES_PER_FRAME,
+        "encode_downsample_rate": SAMPLES_PER_FRAME,
+        "encoder_config": {
+            "sampling_rate": SAMPLE_RATE,
+            "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME,
+            "hidden_size": 32,
+            "num_filters": 4,
+            "upsampling_ratios": [8, 6, 5, 4],
+            "codebook_size": codebook_size,
+            "codebook_dim": 16,
+            "num_quantizers": NUM_CODE_GROUPS,
+            "num_semantic_quantizers": 1,
+            "vector_quantization_hidden_dimension": 16,
+            "upsample_groups": 32,
+            "num_hidden_layers": 1,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 250,
+            "use_cache": False,
+        },
+        "decoder_config": {
+            "codebook_size": codebook_size,
+            "codebook_dim": 16,
+            "hidden_size": 32,
+            "latent_dim": 32,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_quantizers": NUM_CODE_GROUPS,
+            "upsample_rates": [8, 5, 4, 3],
+            "upsampling_ratios": [2, 2],
+            "decoder_dim": 32,
+            "sliding_window": 72,
+        },
+    }
+    return model, speech
+
+
+def _fan_in_init(module: nn.Module, generator: torch.Generator) -> None:
+    """Redraw weights at unit fan-in scale. The default 0.02-std init makes every logit ~0 so that
+    every target costs ~log V and a misaligned loss is indistinguishable from an aligned one."""
+    for sub in module.modules():
+        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.ConvTranspose1d)):
+            w = sub.weight
+            fan_in = w.shape[1] * (w[0, 0].numel() if w.dim() > 2 else 1)
+            if isinstance(sub, nn.ConvTranspose1d):
+                fan_in = w.shape[0] * w[0, 0].numel()
+            with torch.no_grad():
+                w.copy_(torch.randn(w.shape, generator=generator) / math.sqrt(fan_in))
+                if sub.bias is not None:
+                    sub.bias.copy_(torch.randn(sub.bias.shape, generator=generator) * 0.02)
+        elif isinstance(sub, nn.Embedding):
+            with torch.no_grad():
+                sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator))
+
+
+def _init_speech_tokenizer(model: nn.Module, generator: torch.Generator) -> None:
+    # Codebook sums start at zero (every code 0, silent audio): fill them and mark them used.
+    for name, sub in model.named_modules():
+        for attr in ("embed_sum", "embedding_sum"):
+            t = getattr(sub, attr, None)
+            if isinstance(t, torch.Tensor):
+                with torch.no_grad():
+                    t.copy_(torch.randn(t.shape, generator=generator))
+        usage = getattr(sub, "cluster_usage", None)
+        if isinstance(usage, torch.Tensor):
+            with torch.no_grad():
+                usage.fill_(1.0)
+        for attr in ("initialized",):
+            t = getattr(sub, attr, None)
+            if isinstance(t, torch.Tensor):
+                with torch.no_grad():
+                    t.fill_(1.0)
+    # A fan-in redraw of the decoder saturates its output; the final conv is scaled down so the
+    # decoded audio stays inside [-1, 1] without clipping most samples.
+    last_conv = model.decoder.decoder[-1].conv
+    with torch.no_grad():
+        last_conv.weight.mul_(0.05)
+
+
+def _build_text_tokenizer(out: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # Qwen2's own pre-tokenisation, so the files load as Qwen2TokenizerFast with the same splits.
+    split = pre_tokenizers.Split(
+        Regex(
+            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+        ),
+        behavior="isolated",
+    )
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TEXT_BPE_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        min_frequency=1,
+    )
+    corpus = [_CORPUS] * 50 + ["assistant\n", "user\n"] * 200
+    tok.train_from_iterator(corpus, trainer=trainer)
+    model_dir = out / "_bpe"
+    model_dir.mkdir()
+    tok.model.save(str(model_dir))
+    vocab = json.loads((model_dir / "vocab.json").read_text())
+    merges = (model_dir / "merges.txt").read_text()
+    shutil.rmtree(model_dir)
+    if len(vocab) > TEXT_BPE_VOCAB:
+        raise RuntimeError(f"BPE vocabulary grew to {len(vocab)} > {TEXT_BPE_VOCAB}")
+    # Pad the learned vocabulary so that the specials sit at fixed ids.
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, sort_keys=True))
+    (out / "merges.txt").write_text(merges)
+    added = {
+        str(_special_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in TEXT_SPECIAL_TOKENS
+    }
+    # Fill unused ids between the learned vocabulary and the specials with reserved tokens, so the
+    # added-token ids are honoured exactly.
+    for i in range(len(vocab), TEXT_BPE_VOCAB):
+        added[str(i)] = {
+            "content": f"<|reserved_{i}|>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    added = dict(sorted(added.items(), key=lambda kv: int(kv[0])))
+    tokenizer_config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 4096,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2)
+    )
+
+
+def _generation_config() -> dict:
+    # save_pretrained supplies no sampling defaults and qwen_tts falls back to max_new_tokens=2048,
+    # far too long for a random model: write the released fields with a small length.
+    return {
+        "do_sample": True,
+        "top_k": 50,
+        "top_p": 1.0,
+        "temperature": 0.9,
+        "repetition_penalty": 1.05,
+        "subtalker_dosample": True,
+        "subtalker_top_k": 50,
+        "subtalker_top_p": 1.0,
+        "subtalker_temperature": 0.9,
+        "max_new_tokens": 48,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
+    from safetensors.torch import save_file
+
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
+        Qwen3TTSTokenizerV2Config,
+    )
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+
+    model_cfg, speech_cfg = tiny_configs(model_type, codebook_size)
+
+    generator = torch.Generator().manual_seed(seed)
+    config = Qwen3TTSConfig(**{k: v for k, v in model_cfg.items() if k != "model_type"})
+    config.architectures = model_cfg["architectures"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3TTSForConditionalGeneration(config)
+    _fan_in_init(model, generator)  # custom_voice: the built-in speakers' rows are random too
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg_dict = config.to_dict()
+    # save_pretrained writes speaker_encoder_config.model_type = "", which then fails to load.
+    cfg_dict["speaker_encoder_config"].pop("model_type", None)
+    cfg_dict.pop("transformers_version", None)  # keep bytes independent of the installed version
+    cfg_dict["tts_lightning_tiny"] = {"seed": seed, "format_version": TINY_FORMAT_VERSION}
+    _write_json(out / "config.json", cfg_dict)
+    _write_json(out / "generation_config.json", _generation_config())
+
+    _build_text_tokenizer(out)
+
+    speech_dir = out / "speech_tokenizer"
+    speech_dir.mkdir()
+    speech_config = Qwen3TTSTokenizerV2Config(
+        **{k: v for k, v in speech_cfg.items() if k not in ("model_type",)}
+    )
+    speech_config.architectures = speech_cfg["architectures"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        speech_model = Qwen3TTSTokenizerV2Model(speech_config)
+    _fan_in_init(speech_model, generator)
+    _init_speech_tokenizer(speech_model, generator)
+    speech_state = {k: v.detach().contiguous() for k, v in speech_model.state_dict().items()}
+    save_file(speech_state, str(speech_dir / "model.safetensors"), metadata={"format": "pt"})
+    speech_dict = speech_config.to_dict()
+    speech_dict.pop("transformers_version", None)
+    _write_json(speech_dir / "config.json", speech_dict)
+    _write_json(
+        speech_dir / "preprocessor_config.json",
+        {
+            "chunk_length_s": None,
+            "feature_extractor_type": "EncodecFeatureExtractor",
+            "feature_size": 1,
+            "overlap": None,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "return_attention_mask": True,
+            "sampling_rate": SAMPLE_RATE,
+        },
+    )
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TTS_LIGHTNING_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tts-lightning"
+    )
+    return Path(root)
+
+
+def build_tiny_pretrained(
+    path: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    model_type: str = "base",
+    codebook_size: int = 256,
+) -> Path:
+    """Write a tiny random-weight Qwen3-TTS 12 Hz pretrained directory and return its path.
+
+    ``path`` None puts it in the user cache, named after the arguments. The same arguments give
+    the same bytes; a directory already built with the same arguments is reused as it is. The
+    directory is written beside its final place and renamed, so an interrupted build leaves
+    nothing half-written.
+    """
+    if codebook_size & (codebook_size - 1) or not 16 <= codebook_size <= 2048:
+        raise ValueError(f"codebook_size must be a power of 2 in [16, 2048], got {codebook_size}")
+    key = {"seed": seed, "model_type": model_type, "codebook_size": codebook_size,
+           "format_version": TINY_FORMAT_VERSION}
+    if path is None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+        path = default_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"
+    out = Path(path).expanduser().resolve()
+    stamp = out / "tiny_model.json"
+    if stamp.is_file():
+        if json.loads(stamp.read_text()) == key:
+            return out
+        raise FileExistsError(
+            f"{out} holds a tiny model built with other arguments ({stamp.read_text().strip()}); "
+            "choose another path or delete it"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a tiny model directory; refusing to overwrite")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _build(tmp, seed, model_type, codebook_size)
+        _write_json(tmp / "tiny_model.json", key)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another process built it first: theirs is identical for the same arguments.
+            if not (out / "tiny_model.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
