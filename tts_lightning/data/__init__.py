@@ -1,0 +1,1 @@
+"""Manifests, audio loading, clip validation, batching and the shipped demo dataset."""

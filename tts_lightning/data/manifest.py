@@ -1,0 +1,240 @@
+"""Read training manifests (Qwen3-TTS JSONL, LJSpeech metadata.csv, folder of clips) into ClipRecords.
+
+Malformed entries never stop a run: each one becomes a Rejection carrying the
+manifest location ("train.jsonl:12") so the user can fix it later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AUDIO_EXTENSIONS: frozenset[str] = frozenset({".wav", ".flac", ".ogg", ".mp3"})
+
+# Every rejection reason code used by the data pipeline (manifest + validation).
+REJECTION_REASONS: frozenset[str] = frozenset(
+    {
+        "malformed_entry",
+        "no_transcript",
+        "missing_file",
+        "missing_ref_audio",
+        "unreadable_audio",
+        "empty_transcript",
+        "too_short",
+        "too_long",
+        "silent",
+        "duplicate",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ClipRecord:
+    """One training clip as described by a manifest (nothing checked on disk yet)."""
+
+    audio: Path  # absolute
+    text: str
+    speaker: str
+    source: str  # manifest location for error messages, e.g. "train.jsonl:12"
+    ref_audio: Path | None = None  # absolute when given
+    language: str = "auto"
+    # Pre-computed codec codes (T x 16 ints) from a prepared JSONL; nested tuples so the record stays hashable.
+    audio_codes: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A manifest entry or clip that will not be trained on, and why."""
+
+    source: str
+    audio: str | None
+    reason: str  # one of REJECTION_REASONS
+    detail: str
+
+
+@dataclass
+class ManifestResult:
+    records: list[ClipRecord]
+    rejected: list[Rejection]
+
+
+def _resolve(base: Path, value: str) -> Path:
+    """Resolve a manifest path: absolute stays, relative is taken against the manifest's folder."""
+    p = Path(value).expanduser()
+    if not p.is_absolute():
+        p = base / p
+    # absolute() not resolve(): keep symlinked dataset layouts readable in error messages.
+    return Path(_normpath(p))
+
+
+def _normpath(p: Path) -> str:
+    return os.path.normpath(str(p.absolute()))
+
+
+def _to_codes(value: Any) -> tuple[tuple[int, ...], ...]:
+    """Convert a JSON list of frames (each a list of ints) into nested tuples, or raise ValueError."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("audio_codes must be a non-empty list of frames")
+    frames: list[tuple[int, ...]] = []
+    width: int | None = None
+    for frame in value:
+        if not isinstance(frame, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in frame):
+            raise ValueError("audio_codes frames must be lists of integers")
+        if width is None:
+            width = len(frame)
+        elif len(frame) != width:
+            raise ValueError(f"audio_codes frames have different widths ({width} and {len(frame)})")
+        frames.append(tuple(frame))
+    return tuple(frames)
+
+
+def read_jsonl(path: Path, default_speaker: str = "speaker") -> ManifestResult:
+    """Read a Qwen3-TTS style JSONL: one object per line with audio, text, ref_audio (+ optional keys)."""
+    path = Path(path)
+    base = path.parent
+    records: list[ClipRecord] = []
+    rejected: list[Rejection] = []
+    with path.open("r", encoding="utf-8-sig") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue  # blank lines (e.g. trailing newline) are not entries
+            source = f"{path.name}:{lineno}"
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as exc:
+                rejected.append(Rejection(source, None, "malformed_entry", f"invalid JSON: {exc.msg}"))
+                continue
+            if not isinstance(entry, dict):
+                rejected.append(Rejection(source, None, "malformed_entry", "line is not a JSON object"))
+                continue
+            audio = entry.get("audio")
+            if not isinstance(audio, str) or not audio.strip():
+                rejected.append(Rejection(source, None, "malformed_entry", "missing or non-string 'audio' key"))
+                continue
+            text = entry.get("text")
+            if not isinstance(text, str):
+                rejected.append(Rejection(source, audio, "malformed_entry", "missing or non-string 'text' key"))
+                continue
+            ref = entry.get("ref_audio")
+            if ref is not None and not isinstance(ref, str):
+                rejected.append(Rejection(source, audio, "malformed_entry", "'ref_audio' must be a string path"))
+                continue
+            speaker = entry.get("speaker", default_speaker)
+            language = entry.get("language", "auto")
+            if not isinstance(speaker, str) or not speaker.strip() or not isinstance(language, str):
+                rejected.append(
+                    Rejection(source, audio, "malformed_entry", "'speaker' and 'language' must be non-empty strings")
+                )
+                continue
+            codes = None
+            if entry.get("audio_codes") is not None:
+                try:
+                    codes = _to_codes(entry["audio_codes"])
+                except ValueError as exc:
+                    rejected.append(Rejection(source, audio, "malformed_entry", str(exc)))
+                    continue
+            records.append(
+                ClipRecord(
+                    audio=_resolve(base, audio),
+                    text=text,
+                    speaker=speaker.strip(),
+                    source=source,
+                    ref_audio=_resolve(base, ref) if ref and ref.strip() else None,
+                    language=language or "auto",
+                    audio_codes=codes,
+                )
+            )
+    return ManifestResult(records, rejected)
+
+
+def read_ljspeech_csv(path: Path, default_speaker: str = "speaker") -> ManifestResult:
+    """Read an LJSpeech metadata.csv: `id|text` or `id|text|normalized`, audio in `wavs/<id>.wav`."""
+    path = Path(path)
+    wavs = path.parent / "wavs"
+    records: list[ClipRecord] = []
+    rejected: list[Rejection] = []
+    with path.open("r", encoding="utf-8-sig") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            source = f"{path.name}:{lineno}"
+            # Plain split, not the csv module: LJSpeech text contains unbalanced quotes.
+            cols = line.split("|")
+            if len(cols) not in (2, 3):
+                rejected.append(
+                    Rejection(
+                        source, None, "malformed_entry", f"expected 2 or 3 '|'-separated columns, got {len(cols)}"
+                    )
+                )
+                continue
+            clip_id = cols[0].strip()
+            if not clip_id:
+                rejected.append(Rejection(source, None, "malformed_entry", "empty clip id in first column"))
+                continue
+            text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
+            audio = wavs / f"{clip_id}.wav"
+            records.append(
+                ClipRecord(audio=Path(_normpath(audio)), text=text.strip(), speaker=default_speaker, source=source)
+            )
+    return ManifestResult(records, rejected)
+
+
+def read_folder(root: Path, default_speaker: str = "speaker") -> ManifestResult:
+    """Read a folder of audio files with same-named .txt transcripts; sub-folder name = speaker."""
+    root = Path(root)
+    records: list[ClipRecord] = []
+    rejected: list[Rejection] = []
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in AUDIO_EXTENSIONS
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+    for audio in files:
+        rel = audio.relative_to(root)
+        source = rel.as_posix()
+        # The first sub-folder names the speaker, whatever depth lies below it.
+        speaker = rel.parts[0] if len(rel.parts) > 1 else default_speaker
+        txt = audio.with_suffix(".txt")
+        if not txt.is_file():
+            rejected.append(
+                Rejection(source, str(audio), "no_transcript", f"no transcript file {txt.name} next to {source}")
+            )
+            continue
+        try:
+            text = txt.read_text(encoding="utf-8-sig").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            rejected.append(Rejection(source, str(audio), "malformed_entry", f"cannot read {txt.name}: {exc}"))
+            continue
+        records.append(ClipRecord(audio=Path(_normpath(audio)), text=text, speaker=speaker, source=source))
+    return ManifestResult(records, rejected)
+
+
+def load_manifest(path: str | Path, default_speaker: str = "speaker") -> ManifestResult:
+    """Read a manifest, choosing the reader from the path.
+
+    - `*.jsonl` file: Qwen3-TTS JSONL.
+    - `*.csv` file (e.g. `metadata.csv`): LJSpeech pipe-separated rows.
+    - a directory holding `metadata.csv`: LJSpeech dataset root.
+    - any other directory: folder of audio files with `.txt` transcripts.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"manifest not found: {p}")
+    if p.is_dir():
+        if (p / "metadata.csv").is_file():
+            return read_ljspeech_csv(p / "metadata.csv", default_speaker)
+        return read_folder(p, default_speaker)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        return read_jsonl(p, default_speaker)
+    if suffix == ".csv":
+        return read_ljspeech_csv(p, default_speaker)
+    raise ValueError(
+        f"unknown manifest format for {p}: expected a .jsonl file, a metadata.csv/.csv file, or a folder of clips"
+    )
