@@ -1,0 +1,83 @@
+"""Qwen3TTSModule: gradients reach what generation uses, frozen parts stay fixed, it can learn."""
+
+import pytest
+import torch
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.data.audio import load_audio
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.sequence import SpecialIds, build_sequence, collate, tokenize_text
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_dir):
+    info = check_pretrained(tiny_dir)
+    tokenizer, speech = load_text_tokenizer(info), load_speech_tokenizer(info)
+    ids = SpecialIds.from_config(info.config)
+    out = []
+    for clip, frames in (("alice/alice_001", 8), ("bob/bob_002", 20)):
+        path = demo_dir() / "clips" / clip
+        codes = speech.encode(load_audio(path.with_suffix(".flac")).numpy(), sr=24_000).audio_codes[0][:frames]
+        text_ids = tokenize_text(tokenizer, path.with_suffix(".txt").read_text().strip())
+        out.append(build_sequence(ids, text_ids, codes, language="auto"))
+    speakers = torch.randn(2, info.config["talker_config"]["hidden_size"], generator=torch.Generator().manual_seed(1))
+    return out, speakers, ids
+
+
+def _module(tiny_dir, **kwargs):
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"], **kwargs)
+    module.configure_model()
+    return module
+
+
+def test_every_head_gets_gradient_and_frozen_parts_none(tiny_dir, examples):
+    sequences, speakers, ids = examples
+    module = _module(tiny_dir, freeze=["speaker_encoder", "talker.model.text_embedding"])
+    batch = collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad)
+    module(batch).loss.backward()
+    for j, head in enumerate(module.talker.code_predictor.lm_head):
+        assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0, f"head {j}"
+    for j, emb in enumerate(module.talker.code_predictor.model.codec_embedding[:14]):
+        assert emb.weight.grad.abs().sum() > 0, f"predictor embedding {j}"
+    for name in ("talker.text_projection.linear_fc1.weight", "talker.codec_head.weight",
+                 "talker.model.codec_embedding.weight", "talker.model.layers.0.self_attn.q_proj.weight"):
+        assert module.model.get_parameter(name).grad.abs().sum() > 0, name
+    frozen = [(n, p) for n, p in module.model.named_parameters() if n.startswith(("speaker_encoder", "talker.model.text_embedding"))]
+    assert frozen and all(not p.requires_grad and p.grad is None for _, p in frozen)
+    assert all(p.dtype == torch.float32 for p in module.model.parameters())
+
+
+def test_loss_invariant_to_padding(tiny_dir, examples):
+    sequences, speakers, ids = examples
+    module = _module(tiny_dir).eval()
+    with torch.no_grad():
+        alone = module(collate(sequences[:1], speakers[:1], [0], pad_text_id=ids.tts_pad))
+        padded = module(collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad))
+    assert sequences[1].text_ids.shape[0] > sequences[0].text_ids.shape[0]  # the first one is padded
+    torch.testing.assert_close(padded.talker_nll[padded.talker_example == 0], alone.talker_nll, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded.predictor_nll[padded.predictor_example == 0], alone.predictor_nll, atol=1e-5, rtol=0)
+
+
+def test_memorises_one_clip(tiny_dir, examples):
+    sequences, speakers, ids = examples
+    torch.manual_seed(0)
+    module = _module(tiny_dir)
+    batch = collate(sequences[:1], speakers[:1], [0], pad_text_id=ids.tts_pad)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
+    first = None
+    for _ in range(40):
+        loss = module(batch).loss
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    final = module(batch).loss.item()
+    assert final < first / 10, (first, final)
+
+
+def test_rejects_non_base_model(tiny_custom_voice_dir):
+    from tts_lightning import PretrainedError
+
+    with pytest.raises(PretrainedError, match="'base' is required"):
+        Qwen3TTSModule(str(tiny_custom_voice_dir))

@@ -1,0 +1,113 @@
+"""The fine-tuning loss, aligned once and only once with what generation does.
+
+Talker: the hidden state at position p (after the final norm) goes through ``codec_head`` and is
+scored against the code-0 token at p+1: code 0 of each frame, then ``codec_eos``.
+
+Code predictor, frame k: generation starts it with ``past_hidden`` (the talker's hidden state at the
+position that predicted code 0 of frame k) followed by ``codec_embedding(code0_k)``; each further
+input is the previous codebook's embedding. Head j reads position j+1 and predicts codebook j+1,
+for j = 0..14: all 15 heads are trained.
+
+The upstream recipe gets three of these wrong (labels shifted twice, ``past_hidden`` taken one
+position late, ``text_projection`` skipped); see tests/model/test_loss_parity.py for the proof.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, embed_batch
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # talker + weight * code predictor
+    talker_loss: Tensor  # mean NLL over talker targets in the batch
+    code_predictor_loss: Tensor  # mean NLL over all (frame, codebook 1..G-1) targets
+    codebook_losses: Tensor  # (G-1,) mean NLL per code-predictor codebook
+    talker_nll: Tensor  # (N_t,) per target, in batch order
+    talker_example: Tensor  # (N_t,) example index of each talker target
+    talker_logits: Tensor  # (N_t, V_talker) fp32
+    talker_targets: Tensor  # (N_t,)
+    predictor_nll: Tensor  # (N_f, G-1) per frame and codebook
+    predictor_example: Tensor  # (N_f,) example index of each frame
+    predictor_logits: Tensor  # (N_f, G-1, V_codes) fp32
+    predictor_targets: Tensor  # (N_f, G-1)
+
+
+def talker_hidden_states(talker, batch: TalkerBatch) -> Tensor:
+    """Last hidden states (B, S, D) of the talker over the whole teacher-forced sequence."""
+    inputs_embeds = embed_batch(talker, batch)
+    # Always pass the mask: without it transformers treats position jumps as packed sequences.
+    position_ids, _ = talker.get_rope_index(batch.attention_mask)
+    out = talker.model(
+        inputs_embeds=inputs_embeds,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def code_predictor_inputs(talker, past_hidden: Tensor, codes: Tensor) -> Tensor:
+    """(N, G, D): past_hidden, then the embeddings of codes 0..G-2 of each frame, as generation
+    feeds them (code 0 through the talker's codec embedding, g >= 1 through the predictor's)."""
+    G = codes.shape[1]
+    embeds = [past_hidden[:, None, :], talker.model.codec_embedding(codes[:, :1])]
+    predictor_embeddings = talker.code_predictor.model.codec_embedding
+    for g in range(1, G - 1):
+        embeds.append(predictor_embeddings[g - 1](codes[:, g : g + 1]))
+    return torch.cat(embeds, dim=1)
+
+
+def code_predictor_logits(talker, inputs: Tensor) -> Tensor:
+    """(N, G-1, V): head j applied at position j+1."""
+    predictor = talker.code_predictor
+    hidden = predictor.model(
+        inputs_embeds=predictor.small_to_mtp_projection(inputs), use_cache=False
+    ).last_hidden_state
+    return torch.stack(
+        [predictor.lm_head[j](hidden[:, j + 1]) for j in range(inputs.shape[1] - 1)], dim=1
+    )
+
+
+def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3) -> LossOutput:
+    hidden = talker_hidden_states(talker, batch)
+
+    target_mask = batch.labels != IGNORE_INDEX
+    talker_targets = batch.labels[target_mask]
+    # Cross-entropy in fp32: under bf16 compute the logits' rounding would dominate small losses.
+    talker_logits = talker.codec_head(hidden[target_mask]).float()
+    talker_nll = F.cross_entropy(talker_logits, talker_targets, reduction="none")
+    talker_example = target_mask.nonzero()[:, 0]
+
+    frame_example, frame_index = batch.frame_mask.nonzero(as_tuple=True)
+    past_hidden = hidden[frame_example, batch.frame_positions[frame_example, frame_index]]
+    codes = batch.codes[frame_example, frame_index]  # (N_f, G)
+    predictor_logits = code_predictor_logits(talker, code_predictor_inputs(talker, past_hidden, codes)).float()
+    predictor_targets = codes[:, 1:]
+    predictor_nll = F.cross_entropy(
+        predictor_logits.flatten(0, 1), predictor_targets.flatten(), reduction="none"
+    ).view_as(predictor_targets)
+
+    talker_loss = talker_nll.mean()
+    codebook_losses = predictor_nll.mean(0)
+    code_predictor_loss = predictor_nll.mean()
+    return LossOutput(
+        loss=talker_loss + sub_talker_loss_weight * code_predictor_loss,
+        talker_loss=talker_loss,
+        code_predictor_loss=code_predictor_loss,
+        codebook_losses=codebook_losses,
+        talker_nll=talker_nll,
+        talker_example=talker_example,
+        talker_logits=talker_logits,
+        talker_targets=talker_targets,
+        predictor_nll=predictor_nll,
+        predictor_example=frame_example,
+        predictor_logits=predictor_logits,
+        predictor_targets=predictor_targets,
+    )
