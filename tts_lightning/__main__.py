@@ -64,9 +64,49 @@ def _synthesize(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning export",
+        description="Export a training checkpoint (full file or sharded folder) to a qwen-tts custom_voice directory.",
+    )
+    parser.add_argument("--ckpt", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    parser.add_argument("--pretrained", help="base directory (default: the one the run trained from)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    from tts_lightning.model.checkpoint import CheckpointError
+    from tts_lightning.model.export import ExportError, export_custom_voice
+    from tts_lightning.model.pretrained import PretrainedError
+
+    try:
+        out = export_custom_voice(args.ckpt, args.out, dtype=args.dtype, pretrained=args.pretrained,
+                                  overwrite=args.overwrite)
+    except (ExportError, CheckpointError, PretrainedError) as exc:
+        print(f"tts-lightning export: error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def _prepare(argv: list[str]) -> int:
+    from tts_lightning.data.prepare_cli import prepare_command
+
+    return prepare_command(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from tts_lightning.distributed.plan_cli import plan_command
+
+    return plan_command(argv)
+
+
 TOOLS = {
     "tiny-model": _tiny_model,
+    "prepare": _prepare,
+    "export": _export,
     "synthesize": _synthesize,
+    "plan": _plan,
 }
 
 

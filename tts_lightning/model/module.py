@@ -105,7 +105,7 @@ class Qwen3TTSModule(L.LightningModule):
                 )
         out = self(batch)
         on_step = stage == "train"
-        log = dict(batch_size=len(batch), sync_dist=not on_step, on_step=on_step, on_epoch=True)
+        log = dict(batch_size=len(batch), sync_dist=True, on_step=on_step, on_epoch=True)
         self.log(f"{stage}/loss", out.loss, prog_bar=True, **log)
         self.log(f"{stage}/talker_loss", out.talker_loss, **log)
         self.log(f"{stage}/code_predictor_loss", out.code_predictor_loss, **log)
@@ -129,6 +129,19 @@ class Qwen3TTSModule(L.LightningModule):
         return self._shared_step(batch, "test")
 
     # -- optimisation ------------------------------------------------------------------------
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """The Trainer's ``gradient_clip_val``, also under FSDP: Lightning's FSDP precision refuses
+        norm clipping, and only the FSDP root can compute the norm over all shards."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = self.trainer.strategy.model
+        if gradient_clip_val and isinstance(wrapped, FullyShardedDataParallel):
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError("under FSDP only gradient_clip_algorithm='norm' is supported")
+            wrapped.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
