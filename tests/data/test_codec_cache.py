@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import tts_lightning.data.codec_cache as codec_cache
+from tts_lightning.data.audio import load_audio
+from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache, pad_to_frames
+from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.manifest import load_manifest
+from tts_lightning.data.validation import validate_clips
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
+
+
+@pytest.fixture
+def demo_copy(tmp_path: Path) -> Path:
+    """A writable copy of the shipped demo set; returns its train.jsonl."""
+    shutil.copytree(demo_dir(), tmp_path / "demo", ignore=shutil.ignore_patterns(".*"))
+    return tmp_path / "demo" / "train.jsonl"
+
+
+@pytest.fixture
+def encode_counter(monkeypatch):
+    """Counts speech-tokenizer builds and encoded waveforms; the real tokenizer still runs."""
+    counts = {"builds": 0, "clips": 0}
+
+    def counting_loader(info, device="cpu"):
+        tok = load_speech_tokenizer(info, device)
+        counts["builds"] += 1
+        real = tok.encode
+
+        def encode(audios, *args, **kwargs):
+            counts["clips"] += len(audios) if isinstance(audios, list) else 1
+            return real(audios, *args, **kwargs)
+
+        tok.encode = encode
+        return tok
+
+    monkeypatch.setattr(codec_cache, "load_speech_tokenizer", counting_loader)
+    return counts
+
+
+def _accepted(manifest: Path):
+    return validate_clips(load_manifest(manifest).records).accepted
+
+
+def test_second_prepare_encodes_nothing_and_a_rewritten_clip_is_reencoded(
+    tiny_dir, demo_copy, encode_counter, monkeypatch
+):
+    import tts_lightning.data.datamodule as datamodule
+
+    validations = []
+    real_validate = datamodule.validate_clips
+    monkeypatch.setattr(datamodule, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k))
+
+    data = SpeakerClipsDataModule(str(tiny_dir), str(demo_copy))
+    data.prepare()
+    assert encode_counter == {"builds": 1, "clips": 24} and len(validations) == 1
+    files = lambda: sorted((data.cache_dir / "codes").rglob("*.npy"))  # noqa: E731
+    assert len(files()) == 24
+
+    data.prepare()  # fully cached: the tokenizer is not even built, the clips not even re-read
+    assert encode_counter == {"builds": 1, "clips": 24} and len(validations) == 1
+
+    clip = demo_copy.parent / "clips" / "alice" / "alice_003.flac"
+    t = np.arange(int(1.7 * 24_000)) / 24_000
+    sf.write(clip, (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32), 24_000, subtype="PCM_16")
+    data.prepare()
+    assert encode_counter == {"builds": 2, "clips": 25} and len(validations) == 2
+    assert len(files()) == 25  # the old entry stays (content-keyed), a new one is added
+    index = json.loads(data.prepared_path.read_text())
+    entry = next(e for e in index["clips"] if e["audio"] == str(clip))
+    assert entry["frames"] == -(-int(1.7 * 24_000) // SAMPLES_PER_FRAME)
+
+
+def test_cached_codes_equal_tokenizer_encode_of_the_clip_padded_to_whole_frames(tiny_dir, demo_copy):
+    info = check_pretrained(tiny_dir)
+    clips = _accepted(demo_copy)
+    # Different batch compositions must give the same files: pad-to-frames removes the dependence.
+    batched = CodecCache(demo_copy.parent / "cache8", info)
+    assert batched.encode_missing(clips, batch_size=8) == len(clips)
+    alone = CodecCache(demo_copy.parent / "cache1", info)
+    assert alone.encode_missing(clips[:6], batch_size=1) == 6
+
+    tokenizer = load_speech_tokenizer(info)
+    for clip in clips[:6]:
+        wave = load_audio(clip.record.audio).numpy()
+        expected = tokenizer.encode(pad_to_frames(wave), sr=24_000).audio_codes[0]
+        got = batched.load(clip)
+        assert got.dtype == torch.long and got.shape == (-(-len(wave) // SAMPLES_PER_FRAME), 16)
+        assert torch.equal(got, expected.cpu())
+        assert torch.equal(alone.load(clip), got)
+        assert batched.path(clip).parent.name == batched.tokenizer_id
+    # Nothing left to do.
+    assert batched.encode_missing(clips, batch_size=8) == 0
+
+
+def test_key_depends_on_content_and_preprocessing(tiny_dir, demo_copy):
+    info = check_pretrained(tiny_dir)
+    clip = _accepted(demo_copy)[0]
+    plain = CodecCache(demo_copy.parent / "c", info)
+    assert plain.key(clip) == CodecCache(demo_copy.parent / "other", info).key(clip)
+    assert plain.key(clip) != CodecCache(demo_copy.parent / "c", info, normalize="peak").key(clip)
+    assert plain.key(clip) != CodecCache(demo_copy.parent / "c", info, trim_silence=True).key(clip)
+    assert len(plain.tokenizer_id) == 16
+
+
+def test_manifest_codes_are_used_as_given_and_bad_ones_rejected(tiny_dir, demo_copy, encode_counter):
+    root = demo_copy.parent
+    lines = [json.loads(x) for x in demo_copy.read_text().splitlines()[:4]]
+    lines = [e for e in lines] + [json.loads(x) for x in demo_copy.read_text().splitlines()[12:14]]
+    rng = np.random.default_rng(0)
+    lines[0]["audio_codes"] = rng.integers(0, 256, size=(20, 16)).tolist()
+    lines[1]["audio_codes"] = [[300] * 16] * 5  # outside the tiny codebook (256)
+    lines[2]["audio_codes"] = [[1] * 8] * 5  # wrong width
+    manifest = root / "given.jsonl"
+    manifest.write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+    data = SpeakerClipsDataModule(str(tiny_dir), str(manifest), cache_dir=str(root / "cache"))
+    report = data.prepare()
+    assert encode_counter["clips"] == 3  # lines 3..5; line 0 given, lines 1-2 rejected
+    bad = {r.source: r for r in report.rejected}
+    assert set(bad) == {"given.jsonl:2", "given.jsonl:3"}
+    assert all(r.reason == "malformed_entry" for r in bad.values())
+    assert "[0, 256)" in bad["given.jsonl:2"].detail
+
+    index = json.loads(data.prepared_path.read_text())
+    given = next(e for e in index["clips"] if e["source"] == "given.jsonl:1")
+    assert given["frames"] == 20 and given["codes"].startswith("codes/manifest/")
+    stored = np.load(data.cache_dir / given["codes"])
+    assert np.array_equal(stored, np.asarray(lines[0]["audio_codes"]))

@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tts_lightning.data.datamodule import SpeakerClipsDataModule, split_validation
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.prepare_cli import prepare_command
+from tts_lightning.data.validation import AcceptedClip
+from tts_lightning.model.sequence import TalkerBatch
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_dir, tmp_path_factory):
+    """The demo set copied once per module and prepared once; tests only read it."""
+    root = tmp_path_factory.mktemp("dm")
+    shutil.copytree(demo_dir(), root / "demo", ignore=shutil.ignore_patterns(".*"))
+    manifest = root / "demo" / "train.jsonl"
+    SpeakerClipsDataModule(str(tiny_dir), str(manifest), max_frames_per_batch=400).prepare()
+    return manifest
+
+
+def make(tiny_dir, manifest, **kwargs) -> SpeakerClipsDataModule:
+    kwargs.setdefault("max_frames_per_batch", 400)
+    return SpeakerClipsDataModule(str(tiny_dir), str(manifest), **kwargs)
+
+
+def val_audio(data: SpeakerClipsDataModule) -> set[str]:
+    return {e["audio"] for e in json.loads(data.prepared_path.read_text())["clips"] if e["split"] == "val"}
+
+
+def test_split_is_seeded_stable_and_never_empty():
+    clips = [AcceptedClip(record=None, duration=1.0, content_hash=f"{i:064x}") for i in range(30)]
+    a = split_validation(clips, 0.1, seed=0)
+    assert len(a) == 3 and a == split_validation(list(reversed(clips)), 0.1, seed=0)
+    assert a != split_validation(clips, 0.1, seed=1)
+    assert len(split_validation(clips, 0.001, seed=0)) == 1  # at least one
+    assert len(split_validation(clips[:2], 0.9, seed=0)) == 1  # never all
+    assert split_validation(clips[:1], 0.5, seed=0) == set() and split_validation(clips, 0.0, seed=0) == set()
+
+
+def test_split_stable_across_instances(tiny_dir, prepared):
+    try:
+        first = make(tiny_dir, prepared, seed=0)
+        first.prepare()
+        split0 = val_audio(first)
+        second = make(tiny_dir, prepared, seed=0)
+        second.prepare()
+        assert val_audio(second) == split0 and len(split0) == 2  # round(0.1 * 24)
+        other = make(tiny_dir, prepared, seed=1)
+        other.prepare()
+        assert val_audio(other) != split0
+    finally:
+        make(tiny_dir, prepared).prepare()  # leave the module's cache with the default settings
+
+
+def test_setup_reads_only_files(tiny_dir, prepared):
+    data = make(tiny_dir, prepared)  # a fresh instance: prepare_data never ran on it
+    data.setup("fit")
+    assert data.speaker_names == ["alice", "bob"]
+    emb = data.speaker_embeddings()
+    assert emb.dtype == torch.float32 and emb.shape == (2, 64)
+    assert len(data.train_dataset) == 22 and len(data.val_dataset) == 2
+
+    # Other settings than the index was prepared with: refuse rather than train on stale data.
+    with pytest.raises(RuntimeError, match="seed"):
+        make(tiny_dir, prepared, seed=5).setup("fit")
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        make(tiny_dir, prepared, cache_dir=str(prepared.parent / "empty")).setup("fit")
+
+
+def test_train_batches_are_consistent_and_respect_the_frame_cap(tiny_dir, prepared):
+    data = make(tiny_dir, prepared)
+    data.setup("fit")
+    table = data.speaker_embeddings()
+    lengths = data.train_dataset.lengths()
+    seen = 0
+    for batch in data.train_dataloader():
+        assert isinstance(batch, TalkerBatch)
+        B, S = batch.text_ids.shape
+        F = batch.codes.shape[1]
+        assert batch.codec_ids.shape == (B, S, 16) and batch.labels.shape == (B, S)
+        assert batch.attention_mask.shape == batch.speaker_mask.shape == (B, S)
+        assert batch.codes.shape == (B, F, 16) and batch.frame_mask.shape == batch.frame_positions.shape == (B, F)
+        assert batch.speaker_mask.sum(1).eq(1).all()
+        assert torch.equal(batch.speaker_embedding, table[batch.speaker_index])
+        assert B * S <= 400  # padded talker positions (prefill + frames) under the cap
+        # One label per frame plus eos, on real positions only.
+        assert torch.equal((batch.labels != -100).sum(1), batch.frame_mask.sum(1) + 1)
+        assert ((batch.labels != -100) <= batch.attention_mask.bool()).all()
+        seen += B
+    assert seen == len(lengths) == 22
+    # The validation loader is deterministic.
+    val = [b.codes.sum().item() for b in data.val_dataloader()]
+    assert val == [b.codes.sum().item() for b in data.val_dataloader()]
+
+
+def test_ranks_get_disjoint_batches_and_the_sampler_flag_is_turned_off(tiny_dir, prepared):
+    per_rank = []
+    for rank in range(2):
+        data = make(tiny_dir, prepared)
+        data.setup("fit")
+        connector = SimpleNamespace(use_distributed_sampler=True)
+        data.trainer = SimpleNamespace(world_size=2, global_rank=rank, current_epoch=0, _accelerator_connector=connector)
+        loader = data.train_dataloader()
+        assert connector.use_distributed_sampler is False
+        assert len(list(loader)) == len(loader)
+        per_rank.append([tuple(b) for b in loader.batch_sampler])
+    # Same number of batches on each rank; together they cover every clip, and only the batch
+    # repeated to even out the count appears on both.
+    assert len(per_rank[0]) == len(per_rank[1]) > 0
+    assert {i for batches in per_rank for b in batches for i in b} == set(range(22))
+    assert len(set(per_rank[0]) & set(per_rank[1])) <= 1
+
+
+def test_sampler_state_resumes_the_data_order(tiny_dir, prepared):
+    data = make(tiny_dir, prepared, max_frames_per_batch=200)
+    data.setup("fit")
+    full = [b.codes.sum().item() for b in data.train_dataloader()]
+    assert len(full) >= 4
+
+    data = make(tiny_dir, prepared, max_frames_per_batch=200)
+    data.setup("fit")
+    it = iter(data.train_dataloader())
+    head = [next(it).codes.sum().item() for _ in range(2)]
+    state = data.state_dict()
+    assert state["train_sampler"]["consumed"] == 2
+
+    resumed = make(tiny_dir, prepared, max_frames_per_batch=200)
+    resumed.load_state_dict(state)  # before setup / the loader exists, as Lightning does
+    resumed.setup("fit")
+    tail = [b.codes.sum().item() for b in resumed.train_dataloader()]
+    assert head + tail == full
+
+
+class _Recorder(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[tuple[int, float]] = []
+
+    def training_step(self, batch: TalkerBatch, batch_idx: int):
+        self.seen.append((self.current_epoch, batch.codes.sum().item()))
+        return self.w * batch.codes.float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_trainer_resume_mid_epoch_continues_the_data_order(tiny_dir, prepared, tmp_path):
+    kwargs = dict(
+        accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    full = _Recorder()
+    L.Trainer(default_root_dir=tmp_path, callbacks=[ckpt], **kwargs).fit(full, make(tiny_dir, prepared, max_frames_per_batch=200))
+    epochs = [[s for e, s in full.seen if e == k] for k in (0, 1)]
+    assert len(epochs[0]) > 3 and epochs[0] != epochs[1]  # set_epoch reached the sampler
+
+    resumed = _Recorder()
+    L.Trainer(default_root_dir=tmp_path / "r", **kwargs).fit(
+        resumed, make(tiny_dir, prepared, max_frames_per_batch=200), ckpt_path=str(tmp_path / "step=3.ckpt")
+    )
+    assert resumed.seen == full.seen[3:]
+
+
+def test_errors_name_the_manifest_and_the_speaker(tiny_dir, prepared, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    silent = tmp_path / "silent.wav"
+    sf.write(silent, np.zeros(24_000, dtype=np.float32), 24_000)
+    bad.write_text(
+        json.dumps({"audio": "missing.wav", "text": "hi"}) + "\n" + json.dumps({"audio": str(silent), "text": "hi"}) + "\n"
+    )
+    with pytest.raises(ValueError, match=r"bad\.jsonl.*missing_file"):
+        make(tiny_dir, bad).prepare()
+    assert (tmp_path / ".tts_lightning_cache" / "report.json").is_file()  # the report is still written
+
+    with pytest.raises(ValueError, match="'carol'"):
+        make(tiny_dir, prepared, speakers=["alice", "carol"], cache_dir=str(tmp_path / "c")).prepare()
+
+
+def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys):
+    config = tmp_path / "fit.yaml"
+    config.write_text(
+        "trainer: {max_steps: 3}\nmodel: {learning_rate: 0.1}\n"
+        "data:\n  class_path: tts_lightning.SpeakerClipsDataModule\n  init_args:\n"
+        f"    pretrained: {tiny_dir}\n    train_manifest: {prepared}\n    max_frames_per_batch: 400\n"
+    )
+    assert prepare_command(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "accepted 24 clips" in out and "speakers: alice, bob" in out
+
+    # Flat flags, a flat data: section, and a failure.
+    assert prepare_command(["--pretrained", str(tiny_dir), "--data.train_manifest", str(prepared),
+                            "--max_frames_per_batch", "400"]) == 0
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(f"data:\n  pretrained: {tiny_dir}\n  train_manifest: {prepared}\n  speakers: [nobody]\n")
+    assert prepare_command(["--config", str(flat), "--cache_dir", str(tmp_path / "c")]) == 1
+    assert "'nobody'" in capsys.readouterr().err
