@@ -2,24 +2,26 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-RUN    ?= runs/demo
 
 .PHONY: demo test install clean
 
 $(BIN)/tts-lightning: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[dev]'
 	touch $@
 
 install: $(BIN)/tts-lightning
 
-# The demo: build the tiny model and speak one clip with it.
+# The demo: build the tiny model, fine-tune it on the two demo speakers with FSDP on 2 CPU
+# processes, export the last checkpoint as a custom_voice model and speak with the new voice.
 demo: install
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning tiny-model $(RUN)/tiny-model
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning synthesize --model $(RUN)/tiny-model \
-		--ref-audio tts_lightning/demo/clips/alice/alice_000.flac \
-		--text "Hello from tts-lightning." --out $(RUN)/hello.wav
+	OMP_NUM_THREADS=1 $(BIN)/tts-lightning tiny-model runs/tiny-model
+	OMP_NUM_THREADS=1 $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml
+	OMP_NUM_THREADS=1 $(BIN)/tts-lightning export --overwrite --dtype fp32 \
+		--ckpt $$(ls -td runs/tiny-cpu/tensorboard/version_*/checkpoints/last.ckpt | head -1) \
+		--out runs/tiny-cpu/voice
+	OMP_NUM_THREADS=1 $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
+		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

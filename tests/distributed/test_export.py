@@ -1,0 +1,100 @@
+"""Fine-tune two speakers with 2 FSDP ranks, export from the sharded and from a consolidated full
+checkpoint, and speak with the result through the official `qwen_tts.Qwen3TTSModel`."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.checkpoint import CheckpointError, load_training_checkpoint
+from tts_lightning.model.export import ExportError, export_custom_voice
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_dir):
+    root = tmp_path_factory.mktemp("export")
+    shutil.copytree(demo_dir(), root / "demo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [sys.executable, "-m", "tts_lightning", "fit", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+         "--data.pretrained", str(tiny_dir), "--data.train_manifest", str(root / "demo" / "train.jsonl"),
+         "--data.cache_dir", str(root / "cache"), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+         "--trainer.default_root_dir", str(root / "run"), "--trainer.logger.init_args.save_dir", str(root / "run")],
+        cwd=root, env=env, check=True, capture_output=True, text=True, timeout=600,
+    )
+    sharded = next((root / "run").rglob("last.ckpt"))
+    assert sharded.is_dir() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
+    full = root / "full.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(sharded),
+                    "--output_file", str(full)], env=env, check=True, capture_output=True, timeout=300)
+    return root, sharded, full
+
+
+@pytest.mark.parametrize("source, dtype", [("sharded", "fp32"), ("full", "bf16")])
+def test_round_trip(checkpoints, source, dtype):
+    root, sharded, full = checkpoints
+    ckpt_path = sharded if source == "sharded" else full
+    out = export_custom_voice(ckpt_path, root / f"voice-{source}", dtype=dtype)
+    checkpoint = load_training_checkpoint(ckpt_path)
+
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    assert set(model.get_supported_speakers()) == {"alice", "bob"}
+    torch.manual_seed(0)
+    wavs, sr = model.generate_custom_voice(text="Hello there.", speaker="alice")
+    assert sr == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    exported = load_file(str(out / "model.safetensors"))
+    spk_id = model.model.config.talker_config.spk_id
+    table = exported["talker.model.codec_embedding.weight"]
+    embeddings = checkpoint.state_dict["speaker_embeddings"]
+    assert embeddings.dtype == torch.float32 and embeddings.abs().sum() > 0
+    for i, name in enumerate(["alice", "bob"]):
+        assert spk_id[name] >= 3000 - 3072 + table.shape[0]  # the 3000, 3001, ... block
+        torch.testing.assert_close(table[spk_id[name]], embeddings[i].to(torch_dtype), atol=0, rtol=0)
+    weights = checkpoint.model_state_dict()
+    assert not any(k.startswith("speaker_encoder.") for k in exported)
+    assert set(exported) == {k for k in weights if not k.startswith("speaker_encoder.")}
+    rows = torch.ones(table.shape[0], dtype=torch.bool)
+    rows[[spk_id["alice"], spk_id["bob"]]] = False
+    for key, value in exported.items():
+        expected = weights[key].to(torch_dtype)
+        if key == "talker.model.codec_embedding.weight":
+            value, expected = value[rows], expected[rows]
+        torch.testing.assert_close(value, expected, atol=0, rtol=0, msg=key)
+
+
+def test_clashing_name_is_refused_and_leaves_nothing(checkpoints, tiny_custom_voice_dir, tmp_path):
+    root, _, full = checkpoints
+    raw = torch.load(full, weights_only=False)
+    raw["hyper_parameters"]["speakers"] = ["Vivian", "bob"]  # vivian is built into the base
+    clashing = tmp_path / "clash.ckpt"
+    torch.save(raw, clashing)
+    with pytest.raises(ExportError, match=r"\['vivian'\] already exist"):
+        export_custom_voice(clashing, tmp_path / "out", pretrained=tiny_custom_voice_dir)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [clashing]
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        export_custom_voice(tmp_path / "nope.ckpt", tmp_path / "out")
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(b"PK\x03\x04 not really a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        export_custom_voice(corrupt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    proc = subprocess.run([sys.executable, "-m", "tts_lightning", "export", "--ckpt", str(corrupt), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
