@@ -1,0 +1,235 @@
+"""Model-state memory per rank: FSDP FULL_SHARD versus DDP, side by side, on CPU (2 processes, gloo).
+
+A ~150M-parameter random model built from the real Qwen3-TTS classes (the tiny directory's config,
+widened: talker hidden 1024 with 16/8 heads of 128 and intermediate 3072 like the 0.6B, fewer
+layers, a reduced text vocabulary) takes one real AdamW step on the project's loss
+(`compute_loss` on a batch from `build_sequence` / `collate`, random codes). The speaker encoder is
+frozen, as by default. After the step each rank sums the bytes of the unique tensor storages it
+holds for parameters (FSDP flat-parameter shards and any unsharded buffers still allocated),
+gradients and AdamW state. DDP uses ``gradient_as_bucket_view=True`` so that its gradients *are* its
+buckets (otherwise it holds a second fp32 copy of every gradient in buckets, not counted here).
+The planner (`tts_lightning.distributed.memory.plan_memory`) predicts the same numbers from a
+meta-device build of the same config.
+
+    PYTHONPATH=. python benchmarks/fsdp_memory.py          # ~1-2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+WORLD = 2
+FREEZE = ["speaker_encoder"]
+
+
+def bench_config() -> dict:
+    from tts_lightning.model.tiny import tiny_configs
+
+    config, _ = tiny_configs(codebook_size=2048)  # vocab 3072 with the specials' block, as released
+    talker = config["talker_config"]
+    talker.update(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "interleaved": True},
+        text_hidden_size=1024, text_vocab_size=8192,
+    )
+    talker["code_predictor_config"].update(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    )
+    config["speaker_encoder_config"].update(
+        enc_dim=1024, enc_channels=[512, 512, 512, 512, 1536], enc_attention_channels=128,
+        enc_res2net_scale=8, enc_se_channels=128,
+    )
+    config["tts_model_size"] = "bench-150m"
+    return config
+
+
+class LossModel(nn.Module):
+    """What Lightning's wrapper does: the FSDP root's forward runs the loss, so the root unit is
+    gathered before submodules are called."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        from tts_lightning.model.loss import compute_loss
+
+        return compute_loss(self.model.talker, batch).loss
+
+
+def make_batch(config: dict, seed: int, clips: int = 2, frames: int = 40):
+    from tts_lightning.model.sequence import SpecialIds, build_sequence, collate
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ids = SpecialIds.from_config(config)
+    seqs = []
+    for i in range(clips):
+        text = [1, 2, 3] + [rng.randrange(400) for _ in range(12)] + [4, 5, 6, 7, 8]
+        codes = torch.randint(0, 2048, (frames - 8 * i, ids.num_code_groups), generator=gen)
+        seqs.append(build_sequence(ids, text, codes))
+    hidden = config["talker_config"]["hidden_size"]
+    return collate(seqs, torch.randn(clips, hidden, generator=gen), list(range(clips)), pad_text_id=0)
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of unique storages held for parameters, gradients and optimizer state."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    seen: set[int] = set()
+    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+
+    def add(kind: str, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return
+        seen.add(st.data_ptr())
+        out[kind] += st.nbytes()
+
+    flat = []
+    for m in FSDP.fsdp_modules(model):
+        handle = getattr(m, "_handle", None)
+        if handle is not None:
+            flat.append(handle.flat_param)
+    for fp in flat:
+        for attr in ("_local_shard", "_full_param_padded", "_mp_shard"):
+            add("parameters", getattr(fp, attr, None))
+        add("parameters", fp)
+    for p in model.parameters():
+        add("parameters", p)
+    for fp in flat:
+        add("gradients", fp.grad)
+        add("gradients", getattr(fp, "_saved_grad_shard", None))
+    for p in model.parameters():
+        add("gradients", p.grad)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:  # skip the scalar step counters
+                add("optimizer", v)
+    return out
+
+
+def worker(rank: int, mode: str, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
+
+    from tts_lightning.model.module import matches
+
+    config = bench_config()
+    torch.manual_seed(0)  # identical initial weights on every rank
+    cfg = Qwen3TTSConfig.from_dict(json.loads(json.dumps(config)))
+    for c in (cfg, cfg.talker_config, cfg.talker_config.code_predictor_config):
+        c._attn_implementation = "sdpa"
+    model = Qwen3TTSForConditionalGeneration(cfg).float()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not matches(name, FREEZE))
+    n_params = sum(p.numel() for p in model.parameters())
+    wrapped = LossModel(model)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from tts_lightning.distributed.fsdp import DEFAULT_WRAP, import_classes
+
+        wrapped = FSDP(
+            wrapped,
+            auto_wrap_policy=ModuleWrapPolicy(import_classes(DEFAULT_WRAP)),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+            limit_all_gathers=True,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        )
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(wrapped, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
+    batch = make_batch(config, seed=rank)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = wrapped(batch)
+    loss.backward()
+    optimizer.step()
+    step_s = time.perf_counter() - t0
+    held = held_bytes(wrapped, optimizer)
+    result = {
+        "rank": rank, "mode": mode, "params": n_params, "loss": float(loss.detach()), "step_s": step_s,
+        "held": held, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    Path(out_dir, f"{mode}-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    from tts_lightning.distributed.memory import plan_memory
+
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for mode in ("fsdp", "ddp"):
+            t = time.perf_counter()
+            mp.spawn(worker, args=(mode, free_port(), out), nprocs=WORLD, join=True)
+            print(f"{mode}: {time.perf_counter() - t:.1f} s wall (spawn, build, wrap, one step)", flush=True)
+            results[mode] = [json.loads(Path(out, f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
+
+    config = bench_config()
+    common = dict(gpus=WORLD, gpu_memory_gb=1000, precision="32-true", activation_checkpointing=False,
+                  freeze=FREEZE, micro_batch_frames=100)
+    predicted = {
+        "fsdp": plan_memory(config, sharding="FULL_SHARD", **common),
+        "ddp": plan_memory(config, sharding="NO_SHARD", **common),
+    }
+    mb = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
+    n = results["fsdp"][0]["params"]
+    print(f"\nmodel: real Qwen3-TTS classes, {n / 1e6:.1f}M parameters, speaker encoder frozen, fp32, "
+          f"AdamW, {WORLD} ranks (gloo, CPU)")
+    print(f"{'':28}{'params MiB':>10}{'grads MiB':>10}{'AdamW MiB':>10}{'states MiB':>11}"
+          f"{'planner MiB':>12}{'meas/plan':>10}{'step s':>8}{'maxRSS GiB':>11}")
+    states = {}
+    for mode in ("fsdp", "ddp"):
+        plan = predicted[mode]
+        for r in results[mode]:
+            h = r["held"]
+            total = h["parameters"] + h["gradients"] + h["optimizer"]
+            states.setdefault(mode, []).append(total)
+            label = f"{'FSDP FULL_SHARD' if mode == 'fsdp' else 'DDP'} rank {r['rank']}"
+            print(f"{label:28}{mb(h['parameters']):>10}{mb(h['gradients']):>10}{mb(h['optimizer']):>10}"
+                  f"{mb(total):>11}{mb(plan.model_states):>12}{total / plan.model_states:>10.3f}"
+                  f"{r['step_s']:>8.1f}{r['max_rss'] / 2**30:>11.2f}")
+    ratio = max(states["fsdp"]) / max(states["ddp"])
+    err = max(abs(s / predicted[m].model_states - 1) for m in states for s in states[m])
+    print(f"\nFSDP/DDP model states per rank: {ratio:.3f} (target <= 0.6)")
+    print(f"planner vs measurement, worst rank: {err * 100:.1f}% off (target within 25%)")
+    losses = {m: [round(r['loss'], 4) for r in results[m]] for m in results}
+    print(f"losses (per rank, different batches; same across modes): {losses}")
+    return 0 if ratio <= 0.6 and err <= 0.25 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

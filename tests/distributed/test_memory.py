@@ -1,0 +1,214 @@
+"""The memory planner: meta-built sizes, FSDP units as the strategy wraps them, scaling, fit/advice,
+the activation formula against saved tensors, and the `plan` command."""
+
+import random
+
+import pytest
+import torch
+import yaml
+
+from tts_lightning.distributed.memory import (
+    GiB,
+    TEXT_EMBEDDING,
+    _activation_bytes,
+    count_parameters,
+    model_shape,
+    plan_from_config,
+    plan_memory,
+)
+from tts_lightning.distributed.plan_cli import plan_command
+from tts_lightning.model.pretrained import build_model, check_pretrained
+
+BASE = dict(gpus=4, gpu_memory_gb=16, sharding="FULL_SHARD", precision="bf16-mixed",
+            activation_checkpointing=True, cpu_offload=False, micro_batch_frames=2000)
+
+
+@pytest.mark.parametrize("preset, expected", [("1.7b", 1_928.7e6), ("0.6b", 914.6e6)])
+def test_preset_parameter_counts_match_the_shared_doc(preset, expected):
+    assert count_parameters(preset) == pytest.approx(expected, rel=0.01)
+    units = {u.name: u.numel for u in model_shape(preset).units}
+    assert units[TEXT_EMBEDDING] == pytest.approx(311.2e6, rel=0.001)
+    assert sum(units.values()) == count_parameters(preset)  # every parameter in exactly one unit
+
+
+def test_1_7b_components():
+    units = model_shape("1.7b").units
+    layers = [u for u in units if u.name.startswith("talker.model.layers.")]
+    assert len(layers) == 28 and layers[0].numel == pytest.approx(50.3e6, rel=0.001)
+    assert units[0].name == "" and units[0].numel < 70e6  # root: heads, projections, speaker encoder
+
+
+def test_tiny_directory_count_equals_the_built_model(tiny_dir):
+    model = build_model(check_pretrained(tiny_dir))
+    assert count_parameters(tiny_dir) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
+def test_units_are_the_units_fsdp_builds(tiny_dir):
+    """Wrap the tiny model with FSDP and the strategy's policy: same units, same sizes."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from tts_lightning.distributed.fsdp import DEFAULT_WRAP, import_classes
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    model = build_model(check_pretrained(tiny_dir), load_weights=False)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(import_classes(DEFAULT_WRAP)),
+                       device_id=torch.device("cpu"), use_orig_params=True)
+        names = {id(m): n.replace("_fsdp_wrapped_module.", "") for n, m in wrapped.named_modules()}
+        fsdp_units = sorted(
+            (names[id(m)], m._handle.flat_param._unpadded_unsharded_size.numel())
+            for m in FSDP.fsdp_modules(wrapped) if m._handle is not None
+        )
+    finally:
+        dist.destroy_process_group()
+    planned = sorted((u.name, u.numel) for u in model_shape(tiny_dir).units)
+    assert fsdp_units == planned
+
+
+def test_full_shard_scales_with_gpus_no_shard_does_not():
+    full = {n: plan_memory("1.7b", **{**BASE, "gpus": n}).model_states for n in (2, 4, 8)}
+    assert full[4] / full[2] == pytest.approx(0.5, rel=0.01)
+    assert full[8] / full[4] == pytest.approx(0.5, rel=0.01)
+    none = {n: plan_memory("1.7b", **{**BASE, "gpus": n, "sharding": "NO_SHARD"}).model_states for n in (2, 8)}
+    assert none[2] == none[8]
+    assert none[2] == pytest.approx(16 * 1.9287e9, rel=0.01)  # the doc's 30.9 GB for DDP
+
+
+def test_1_7b_on_4x16gb_fits_with_full_shard_and_checkpointing():
+    plan = plan_memory("1.7b", **BASE)
+    assert plan.model_states == pytest.approx(7.7e9, rel=0.01)  # shared doc: 7.7 GB per GPU
+    assert plan.fits and plan.headroom > 0 and plan.advice == []
+    assert plan.largest_gathered_unit == 2 * 311_164_928  # text_embedding in bf16
+    table = plan.table()
+    assert "GiB per GPU" in table and "optimizer states" in table and "activations" in table
+
+
+def test_without_checkpointing_it_does_not_fit_and_advice_says_so():
+    plan = plan_memory("1.7b", **{**BASE, "activation_checkpointing": False})
+    assert not plan.fits
+    assert "activation checkpointing" in plan.advice[0] and plan.advice[0].endswith("(fits)")
+
+
+def test_no_shard_does_not_fit_and_advice_names_full_shard():
+    plan = plan_memory("1.7b", **{**BASE, "sharding": "NO_SHARD"})
+    assert not plan.fits
+    assert any("FULL_SHARD" in a and a.endswith("(fits)") for a in plan.advice)
+
+
+def test_freezing_text_embedding_and_cpu_offload():
+    base = plan_memory("1.7b", **BASE)
+    frozen = plan_memory("1.7b", **BASE, freeze=["speaker_encoder", TEXT_EMBEDDING])
+    # its own unit: no gradient and no AdamW state, 12 bytes per parameter, sharded 4 ways
+    assert base.model_states - frozen.model_states == pytest.approx(311_164_928 * 12 / 4, rel=0.001)
+    off = plan_memory("1.7b", **{**BASE, "cpu_offload": True})
+    assert off.parameters == off.gradients == off.optimizer_states == 0
+    assert off.host_memory == base.model_states and off.total < base.total
+
+
+def test_activation_formula_matches_saved_tensors():
+    """Bytes autograd saves for `compute_loss` (plus kept fp32 logits and their gradients) on a
+    small model of the real classes, against the planner's formula without checkpointing."""
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
+
+    from tts_lightning.model.loss import compute_loss
+    from tts_lightning.model.sequence import SpecialIds, build_sequence, collate
+    from tts_lightning.model.tiny import tiny_configs
+
+    config, _ = tiny_configs()
+    talker = config["talker_config"]
+    talker.update(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8],
+                                             "interleaved": True})
+    talker["code_predictor_config"].update(hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=64)
+    config["speaker_encoder_config"]["enc_dim"] = 256
+    cfg = Qwen3TTSConfig.from_dict(config)
+    for c in (cfg, cfg.talker_config, cfg.talker_config.code_predictor_config):
+        c._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3TTSForConditionalGeneration(cfg).to(torch.bfloat16)
+    rng = random.Random(0)
+    ids = SpecialIds.from_config(config)
+    seqs = [build_sequence(ids, [1, 2, 3] + [rng.randrange(300) for _ in range(10)] + [4, 5, 6, 7, 8],
+                           torch.randint(0, 256, (60 - 10 * i, 16))) for i in range(3)]
+    batch = collate(seqs, torch.randn(3, 256), [0, 1, 2], pad_text_id=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compute_loss(model.talker, batch)
+    logits = [out.talker_logits, out.predictor_logits]
+    measured = sum(saved.values()) + sum(
+        t.untyped_storage().nbytes() for t in logits if t.untyped_storage().data_ptr() not in saved
+    ) + sum(4 * t.numel() for t in logits)
+    acts, logit_bytes = _activation_bytes(
+        model_shape(config).dims, batch.text_ids.numel(), 2, False, False,
+        frames=int(batch.frame_mask.sum()), targets=int((batch.labels != -100).sum()))
+    assert acts + logit_bytes == pytest.approx(measured, rel=0.03)
+
+
+def test_plan_command_exit_codes(capsys):
+    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "optimizer states" in out
+    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16",
+                         "--no-activation-checkpointing"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "activation checkpointing" in out
+    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16", "--sharding", "NO_SHARD",
+                         "--freeze"]) == 1
+    assert "FULL_SHARD" in capsys.readouterr().out
+    assert plan_command(["--model", "no-such-model", "--gpu-memory", "16"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
+
+
+def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
+    released = {
+        "trainer": {"devices": 4, "precision": "bf16-mixed", "strategy": {
+            "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
+            "init_args": {"sharding_strategy": "FULL_SHARD"}}},
+        "model": {"freeze": ["speaker_encoder"]},
+        "data": {"pretrained": "Qwen/Qwen3-TTS-12Hz-1.7B-Base", "max_frames_per_batch": 2000},
+    }
+    path = tmp_path / "released.yaml"
+    path.write_text(yaml.safe_dump(released))
+    plan = plan_from_config(path, 16)
+    direct = plan_memory("1.7b", **BASE)
+    assert (plan.total, plan.fits, plan.gpus) == (direct.total, True, 4)
+    assert plan_command(["--config", str(path), "--gpu-memory", "16"]) == 0
+    assert plan_command(["--config", str(path), "--gpu-memory", "16", "--gpus", "1"]) == 1
+    capsys.readouterr()
+
+    tiny = {
+        "trainer": {"devices": 2, "precision": "32-true", "strategy": {
+            "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
+            "init_args": {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing_policy": []}}},
+        "model": {"class_path": "tts_lightning.Qwen3TTSModule",
+                  "init_args": {"freeze": ["speaker_encoder", TEXT_EMBEDDING]}},
+        "data": {"class_path": "tts_lightning.SpeakerClipsDataModule",
+                 "init_args": {"pretrained": str(tiny_dir), "max_frames_per_batch": 400}},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny))
+    plan = plan_from_config(path, 2)
+    assert (plan.gpus, plan.precision, plan.sharding, plan.micro_batch_frames) == (2, "32-true", "SHARD_GRAD_OP", 400)
+    assert not plan.activation_checkpointing and plan.freeze == ["speaker_encoder", TEXT_EMBEDDING]
+    assert plan.total_parameters == count_parameters(tiny_dir) and plan.fits
+    assert plan.total < 1.1 * GiB  # a tiny model: essentially the constant CUDA overhead
+
+    path.write_text(yaml.safe_dump({**tiny, "trainer": {"devices": "auto", "strategy": "ddp"}}))
+    with pytest.raises(ValueError, match="devices"):
+        plan_from_config(path, 16)
+    assert plan_from_config(path, 16, gpus=2).sharding == "NO_SHARD"

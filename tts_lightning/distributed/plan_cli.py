@@ -1,0 +1,85 @@
+"""`tts-lightning plan`: will a fine-tuning run fit in GPU memory? Prints the per-GPU breakdown
+and, when it does not fit, what to turn on, cheapest first. Exit status 0 if it fits, 1 if not,
+2 on a usage or configuration error. No GPU and no network needed: the model is built on the
+meta device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, SHARDINGS, PRESETS
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning plan",
+        description="Per-GPU memory plan for FSDP fine-tuning of Qwen3-TTS (no GPU needed).",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), released hub id, or pretrained directory")
+    source.add_argument("--config", help="a LightningCLI YAML (tts-lightning fit --config ...)")
+    parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU, GiB")
+    parser.add_argument("--gpus", type=int, help="number of GPUs (default 1; with --config: trainer.devices)")
+    parser.add_argument("--sharding", choices=SHARDINGS, default="FULL_SHARD")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
+    parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--freeze", nargs="*", metavar="PATTERN",
+                        help=f"frozen parameter patterns (default: {' '.join(DEFAULT_FREEZE)}; "
+                             "'--freeze' alone freezes nothing)")
+    parser.add_argument("--frames", type=int, default=2000,
+                        help="padded talker positions per micro-batch (data.max_frames_per_batch)")
+    return parser
+
+
+def plan_command(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from tts_lightning.distributed.memory import plan_from_config, plan_memory
+
+    if args.config:
+        given = [flag for flag, value, default in (
+            ("--sharding", args.sharding, "FULL_SHARD"), ("--precision", args.precision, "bf16-mixed"),
+            ("--no-activation-checkpointing", args.no_activation_checkpointing, False),
+            ("--cpu-offload", args.cpu_offload, False), ("--freeze", args.freeze, None),
+            ("--frames", args.frames, 2000)) if value != default]
+        if given:
+            parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
+    try:
+        if args.config:
+            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus)
+        else:
+            plan = plan_memory(
+                args.model,
+                gpus=args.gpus or 1,
+                gpu_memory_gb=args.gpu_memory,
+                sharding=args.sharding,
+                precision=args.precision,
+                activation_checkpointing=not args.no_activation_checkpointing,
+                cpu_offload=args.cpu_offload,
+                freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
+                micro_batch_frames=args.frames,
+            )
+    except (ValueError, OSError) as exc:
+        print(f"tts-lightning plan: {exc}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    if plan.fits:
+        print(f"FITS: {plan.total / 2**30:.1f} GiB of {plan.gpu_memory / 2**30:.1f} GiB per GPU "
+              f"({plan.headroom / 2**30:.1f} GiB headroom)")
+        return 0
+    print(f"DOES NOT FIT: {plan.total / 2**30:.1f} GiB needed, {plan.gpu_memory / 2**30:.1f} GiB per GPU")
+    if plan.advice:
+        print("To make it fit, in order of cost (each step includes the ones before it, except 'or'):")
+        for line in plan.advice:
+            print(f"  - {line}")
+    return 1
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(plan_command(sys.argv[1:]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
