@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -151,6 +153,25 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Write beside the destination, then rename, so an interrupted save never leaves a
+        half-written checkpoint where `--ckpt_path last` would find it."""
+        final = Path(self.broadcast(str(filepath)))
+        partial = final.with_name(f".{final.name}.partial")
+        old = final.with_name(f".{final.name}.old")
+        if self.is_global_zero:
+            _remove(partial)
+        self.barrier("checkpoint_prepare")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("checkpoint_written")
+        if self.is_global_zero:
+            _remove(old)
+            if final.exists():
+                os.replace(final, old)  # a folder cannot be replaced in one step
+            os.replace(partial, final)
+            _remove(old)
+        self.barrier("checkpoint_renamed")
+
     def _report_shards(self, model: nn.Module) -> nn.Module:
         """Say on every rank how much of the model it holds: the first thing to check when memory
         does not fit (a big root unit or an unwrapped layer class shows here)."""
@@ -167,3 +188,10 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
             flush=True,
         )
         return model
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
