@@ -5,12 +5,15 @@ for a padded batch of two clips of different lengths; and the same helper shows 
 recipe's alignment does not match it.
 """
 
+import json
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from forced_generation import official_forced_nll
-from tts_lightning.data.audio import load_audio
+from tts_lightning import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.loss import (
     code_predictor_inputs,
@@ -18,31 +21,42 @@ from tts_lightning.model.loss import (
     compute_loss,
     talker_hidden_states,
 )
-from tts_lightning.model.pretrained import build_model, check_pretrained, load_speech_tokenizer, load_text_tokenizer
-from tts_lightning.model.sequence import IGNORE_INDEX, SpecialIds, build_sequence, collate, tokenize_text
+from tts_lightning.model.pretrained import build_model, check_pretrained, load_text_tokenizer
+from tts_lightning.model.sequence import IGNORE_INDEX, tokenize_text
 
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_dir):
+def setup(tiny_dir, tmp_path_factory):
+    """A batch from the real data module: two demo clips of different lengths, padded together."""
+    root = tmp_path_factory.mktemp("parity")
+    lines = []
+    for clip, speaker, language in (("alice/alice_000", "alice", "english"), ("bob/bob_003", "bob", "auto")):
+        src = demo_dir() / "clips" / clip
+        shutil.copy(src.with_suffix(".flac"), root / f"{speaker}.flac")
+        text = src.with_suffix(".txt").read_text().strip()
+        lines.append(json.dumps({"audio": f"{speaker}.flac", "text": text, "speaker": speaker,
+                                 "language": language}))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    data = SpeakerClipsDataModule(pretrained=str(tiny_dir), train_manifest=str(root / "train.jsonl"),
+                                  val_fraction=0.0, batch_size=2, max_frames_per_batch=None, seed=0)
+    data.prepare_data()
+    data.setup("fit")
+    (batch,) = list(data.train_dataloader())
+
     info = check_pretrained(tiny_dir)
     model = build_model(info).eval()
-    tokenizer, speech = load_text_tokenizer(info), load_speech_tokenizer(info)
-    ids = SpecialIds.from_config(info.config)
-    examples = []
-    # Two real clips of different lengths, cut short to keep the step-by-step path quick.
-    for clip, frames, language in (("alice/alice_000", 9, "english"), ("bob/bob_003", 14, "auto")):
-        path = demo_dir() / "clips" / clip
-        codes = speech.encode(load_audio(path.with_suffix(".flac")).numpy(), sr=24_000).audio_codes[0][:frames]
-        text_ids = tokenize_text(tokenizer, path.with_suffix(".txt").read_text().strip())
-        examples.append((text_ids, codes, language))
-    generator = torch.Generator().manual_seed(0)
-    speakers = torch.randn(2, info.config["talker_config"]["hidden_size"], generator=generator) * 2
-    sequences = [build_sequence(ids, t, c, language=lang) for t, c, lang in examples]
-    batch = collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad)
-    official = [official_forced_nll(model, t, c, speakers[b], language=lang)
-                for b, (t, c, lang) in enumerate(examples)]
+    tokenizer = load_text_tokenizer(info)
+    speakers = data.speaker_embeddings()
+    official = []
+    for b in range(len(batch)):
+        index = int(batch.speaker_index[b])
+        name = data.speaker_names[index]
+        record = next(json.loads(line) for line in lines if json.loads(line)["speaker"] == name)
+        codes = batch.codes[b, batch.frame_mask[b]]
+        text_ids = tokenize_text(tokenizer, record["text"])
+        official.append(official_forced_nll(model, text_ids, codes, speakers[index], language=record["language"]))
     return model, batch, official
 
 
