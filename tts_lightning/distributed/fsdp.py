@@ -182,8 +182,9 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
         units = sum(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+        strategy = getattr(model, "sharding_strategy", self.sharding_strategy)  # 1 rank -> NO_SHARD
         print(
-            f"[rank {self.global_rank}] FSDP {self.sharding_strategy.name}: {local:,} of {int(total):,} "
+            f"[rank {self.global_rank}] FSDP {strategy.name}: {local:,} of {int(total):,} "
             f"parameters held locally ({100 * local / max(int(total), 1):.1f}%) in {units} units",
             flush=True,
         )
