@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 $(BIN)/tts-lightning: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,ray,eval]'
 	touch $@
 
 install: $(BIN)/tts-lightning

@@ -101,12 +101,19 @@ def _plan(argv: list[str]) -> int:
     return plan_command(argv)
 
 
+def _ray_fit(argv: list[str]) -> int:
+    from tts_lightning.distributed.ray_cli import ray_fit_command
+
+    return ray_fit_command(argv)
+
+
 TOOLS = {
     "tiny-model": _tiny_model,
     "prepare": _prepare,
     "export": _export,
     "synthesize": _synthesize,
     "plan": _plan,
+    "ray-fit": _ray_fit,
 }
 
 

@@ -1,0 +1,199 @@
+"""`tts-lightning ray-fit` on a local Ray cluster (CPU, 2 workers, FSDP, tiny model): a straight
+fit exported for qwen_tts, a worker crash resumed from the last reported checkpoint, and the same
+crash without retries failing cleanly with its checkpoint intact."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.distributed import ray_cli
+from tts_lightning.model.checkpoint import load_training_checkpoint
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+MAX_STEPS, EVERY, CRASH_AT = 8, 3, 5  # checkpoints at 3, 6, 8; rank 1 dies before step 6 runs
+needs_ray = pytest.mark.skipif(ray_cli.ray_missing() is not None, reason="needs the ray extra")
+
+
+def ray_fit(workdir, tiny_dir, run, *extra, callbacks=(), timeout=420):
+    """Run the command in a fresh process (its own local Ray cluster), as a user would."""
+    extra_config = workdir / f"{run}.yaml"
+    extra_config.write_text(json.dumps({"trainer": {"callbacks": list(callbacks)}}))  # JSON is YAML
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    args = ["--config", CONFIG, "--config", extra_config,
+            "--data.pretrained", tiny_dir, "--data.train_manifest", workdir / "demo" / "train.jsonl",
+            "--data.cache_dir", workdir / "cache", "--data.max_frames_per_batch", 150,
+            "--trainer.default_root_dir", workdir / run, "--trainer.logger.init_args.save_dir", workdir / run,
+            "--trainer.max_steps", MAX_STEPS, "--trainer.val_check_interval", 4,
+            "--ray.num_workers", 2, "--ray.checkpoint_every_n_steps", EVERY, "--ray.name", run, *extra]
+    proc = subprocess.run([sys.executable, "-m", "tts_lightning.distributed.ray_cli", *map(str, args)],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, proc.stdout + proc.stderr
+
+
+def record(path):
+    return {"class_path": "ray_test_callbacks.RecordSteps", "init_args": {"path": str(path)}}
+
+
+def crash(marker):
+    return {"class_path": "ray_test_callbacks.CrashOnce",
+            "init_args": {"step": CRASH_AT, "marker": str(marker), "rank": 1}}
+
+
+def attempts(steps_file):
+    """The RecordSteps lines, split per fit attempt: [(start step, [(step, batch hash), ...])]."""
+    runs = []
+    for line in Path(steps_file).read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "start":
+            runs.append((e["step"], []))
+        else:
+            runs[-1][1].append((e["step"], e["batch"]))
+    return runs
+
+
+def checkpoint_of(run_dir, step):
+    return run_dir / "ray" / run_dir.name / f"checkpoint_step{step:06d}" / "checkpoint.ckpt"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray")
+    shutil.copytree(demo_dir(), root / "demo")
+    return root
+
+
+@pytest.fixture(scope="module")
+def straight(workdir, tiny_dir):
+    proc, log = ray_fit(workdir, tiny_dir, "straight", callbacks=[record(workdir / "straight.jsonl")])
+    assert proc.returncode == 0, log[-8000:]
+    return workdir / "straight", log
+
+
+@needs_ray
+def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny_dir):
+    run_dir, log = straight
+    held = dict(re.findall(r"\[rank (\d)\] FSDP FULL_SHARD: ([\d,]+) of [\d,]+ parameters held locally", log))
+    assert sorted(held) == ["0", "1"], log[-4000:]
+    # Prepared once, on the driver; the workers found everything cached.
+    driver = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" not in ln]
+    workers = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" in ln]
+    assert driver and re.search(r"codec cache: \d+ clip\(s\) encoded", driver[0])
+    assert workers and all("codec cache: 0 clip(s) encoded" in ln for ln in workers), workers
+    assert not any(re.search(r"RayTrainWorker.*encoded \d+/\d+ clips", ln) for ln in log.splitlines())
+
+    [(start, steps)] = attempts(workdir / "straight.jsonl")
+    assert start == 0 and [s for s, _ in steps] == list(range(1, MAX_STEPS + 1))
+    for step in (3, 6, 8):
+        assert (checkpoint_of(run_dir, step) / ".metadata").is_file()  # sharded, merged from both ranks
+    final = checkpoint_of(run_dir, MAX_STEPS)
+    assert sorted(p.name for p in final.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert f"latest checkpoint: {final}" in log
+    assert load_training_checkpoint(final).global_step == MAX_STEPS
+
+    from qwen_tts import Qwen3TTSModel
+    from tts_lightning.model.export import export_custom_voice
+
+    out = export_custom_voice(final, workdir / "voice", dtype="fp32")
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    assert set(model.get_supported_speakers()) == {"alice", "bob"}
+
+
+@needs_ray
+def test_worker_crash_resumes_from_the_last_checkpoint(straight, workdir, tiny_dir):
+    marker, steps_file = workdir / "crashed.marker", workdir / "resumed.jsonl"
+    proc, log = ray_fit(workdir, tiny_dir, "resumed", "--ray.max_failures", 1,
+                        callbacks=[crash(marker), record(steps_file)])
+    assert proc.returncode == 0, log[-8000:]
+    assert marker.is_file() and f"rank 1 exits at global_step {CRASH_AT}" in log
+    run_dir = workdir / "resumed"
+    assert re.search(r"resuming from \S+checkpoint_step000003", log)
+
+    first, second = attempts(steps_file)
+    assert first[0] == 0 and [s for s, _ in first[1]] == list(range(1, CRASH_AT + 1))
+    last_saved = CRASH_AT // EVERY * EVERY
+    assert second[0] == last_saved  # not from step 0
+    assert [s for s, _ in second[1]] == list(range(last_saved + 1, MAX_STEPS + 1))
+    assert second[0] + len(second[1]) == MAX_STEPS  # optimizer steps of the run that counts
+    # The data position was restored: the replayed steps saw the same batches.
+    assert dict(first[1])[last_saved + 1] == dict(second[1])[last_saved + 1]
+    [(_, straight_steps)] = attempts(workdir / "straight.jsonl")
+    assert second[1] == straight_steps[last_saved:]
+
+    # Step, optimizer, LR schedule and data restored: the weights equal the uninterrupted run's.
+    resumed = load_training_checkpoint(checkpoint_of(run_dir, MAX_STEPS))
+    reference = load_training_checkpoint(checkpoint_of(straight[0], MAX_STEPS))
+    assert resumed.global_step == reference.global_step == MAX_STEPS
+    assert resumed.state_dict.keys() == reference.state_dict.keys()
+    for key, value in reference.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@needs_ray
+def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(workdir, tiny_dir):
+    marker = workdir / "failed.marker"
+    proc, log = ray_fit(workdir, tiny_dir, "failed", "--ray.max_failures", 0,
+                        callbacks=[crash(marker), record(workdir / "failed.jsonl")])
+    assert proc.returncode == 1, log[-8000:]
+    assert marker.is_file()
+    assert "tts-lightning ray-fit: error: training failed (max_failures=0): WorkerGroupError" in proc.stderr
+    assert "Rank 1" in proc.stderr and "died" in proc.stderr  # names the worker that failed
+    last = checkpoint_of(workdir / "failed", 3)
+    assert f"latest checkpoint: {last}" in proc.stderr
+    assert not checkpoint_of(workdir / "failed", 6).exists()
+    checkpoint = load_training_checkpoint(last)
+    assert checkpoint.global_step == 3 and any(k.startswith("model.talker.") for k in checkpoint.state_dict)
+
+
+def test_without_ray_the_command_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as when it is not installed
+    assert ray_cli.ray_fit_command(["--config", str(CONFIG), "--ray.num_workers", "2"]) == 2
+    assert "pip install 'tts-lightning[ray]'" in capsys.readouterr().err
+
+
+def test_help_names_the_ray_options_and_what_they_replace(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ray_cli.ray_fit_command(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--ray.address", "--ray.num_workers", "--ray.use_gpu", "--ray.resources_per_worker",
+                   "--ray.max_failures", "--ray.storage_path", "--ray.name"):
+        assert option in text
+    assert "trainer.devices and trainer.num_nodes are replaced" in " ".join(text.split())
+
+
+@needs_ray
+@pytest.mark.parametrize("override, code, needle", [
+    (["--model.no_such_option", "1"], 2, "no_such_option"),
+    (["--data.speakers", "[carol]"], 1, "carol"),
+])
+def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, capsys, override, code, needle):
+    import ray
+
+    args = ["--config", str(CONFIG), "--data.pretrained", str(tiny_dir),
+            "--data.train_manifest", str(workdir / "demo" / "train.jsonl"),
+            "--data.cache_dir", str(workdir / "bad-cache"), *override]
+    try:
+        rc = ray_cli.ray_fit_command(args)
+    except SystemExit as exc:  # LightningCLI's parser error
+        rc = exc.code
+    assert rc == code
+    assert needle in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_unknown_ray_option_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ray_cli.ray_fit_command(["--config", str(CONFIG), "--ray.num_wrkers", "2"])
+    assert exit_.value.code == 2 and "--ray.num_wrkers" in capsys.readouterr().err

@@ -1,0 +1,412 @@
+"""Ray Train launcher: the same LightningCLI config, trained by a `TorchTrainer` on a Ray cluster.
+
+Needs the ``ray`` extra (``pip install 'tts-lightning[ray]'``); `tts_lightning.distributed.ray_cli`
+is the command (``tts-lightning ray-fit``) and checks for it before importing this module.
+
+How a run goes:
+1. The driver parses the config exactly as ``tts-lightning fit`` does (bad configs fail before Ray
+   starts) and runs the data module's `prepare()` once: codec tokens, speaker embeddings and the
+   index land in ``data.cache_dir``. Every worker reads that folder, so on a multi-node cluster it
+   must be shared storage (NFS, ...) mounted at the same path; here it is the local disk.
+2. Each Ray worker builds the model, data module and trainer from the same arguments, with the
+   strategy replaced by `RayQwen3TTSFSDPStrategy` (the wrap / activation-checkpointing policies,
+   bf16 buffer handling and CPU ``device_id`` fix of `Qwen3TTSFSDPStrategy`, with Ray's device and
+   ranks), ``RayLightningEnvironment`` as cluster environment, one process per worker (the
+   config's ``devices`` / ``num_nodes`` are replaced by Ray's workers) and `RayCheckpointReport`.
+   Only global rank 0 runs ``prepare_data``, which finds everything cached and encodes nothing.
+3. `RayCheckpointReport` saves a Lightning checkpoint every N optimizer steps (or each epoch end)
+   and at the end, and reports it to Ray; Ray copies it to ``<storage_path>/<name>/checkpoint_stepNNNNNN/
+   checkpoint.ckpt``. After a worker failure Ray restarts the worker group (``max_failures``) and
+   each worker resumes with ``trainer.fit(..., ckpt_path=<latest reported checkpoint>)``: global
+   step, optimizer, LR scheduler and the data position (the sampler's state) are restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import ray.train
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment, prepare_trainer
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from tts_lightning.cli import TTSLightningCLI, trainer_defaults
+from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+from tts_lightning.model.module import Qwen3TTSModule
+
+CHECKPOINT_NAME = "checkpoint.ckpt"
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+class RayQwen3TTSFSDPStrategy(Qwen3TTSFSDPStrategy, RayFSDPStrategy):
+    """`Qwen3TTSFSDPStrategy` (wrap and checkpointing policies, fp32 buffers under bf16-mixed, CPU
+    ``device_id`` fix, shard report) with Ray's device and ranks. Ray Train creates the process
+    group before the worker function runs (gloo when no GPU is requested, else nccl), so
+    ``process_group_backend`` and ``timeout`` act through the launcher's `TorchConfig`."""
+
+
+class RayFitError(RuntimeError):
+    """The workers failed more often than ``max_failures`` allows. ``checkpoint`` is the newest
+    committed Lightning checkpoint (None when none was)."""
+
+    def __init__(self, message: str, *, run_dir: str, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class RayOptions:
+    """The ``--ray.*`` options of ``tts-lightning ray-fit``."""
+
+    address: str = "local"
+    num_workers: int = 2
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    max_failures: int = 0
+    storage_path: str | None = None
+    name: str | None = None
+    checkpoint_every_n_steps: int = 0
+    num_to_keep: int | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+
+# -- building the Lightning objects from the config ---------------------------------------------
+
+
+def build_cli(args: list[str], trainer_overrides: Callable[[TTSLightningCLI], dict] | None) -> TTSLightningCLI:
+    """``cli_main(args, run=False)`` with a hook on the Trainer: ``trainer_overrides(cli)`` returns
+    Trainer arguments that replace the config's; with None no Trainer is built (the driver)."""
+
+    class _RayCLI(TTSLightningCLI):
+        def instantiate_trainer(self, **kwargs: Any) -> Trainer | None:
+            if trainer_overrides is None:
+                return None
+            return super().instantiate_trainer(**{**kwargs, **trainer_overrides(self)})
+
+    with warnings.catch_warnings():
+        # `args` is all of sys.argv but the --ray.* options: intended, not a mistake.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        # The same arguments as tts_lightning.cli.cli_main.
+        return _RayCLI(
+            Qwen3TTSModule,
+            SpeakerClipsDataModule,
+            trainer_defaults=trainer_defaults(),
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=False,
+        )
+
+
+def strategy_init_args(strategy: Any) -> dict[str, Any]:
+    """The `Qwen3TTSFSDPStrategy` arguments of the config's ``trainer.strategy``: its init_args when
+    it names that class, the defaults for ``auto`` / ``fsdp`` / unset."""
+    if strategy is None or (isinstance(strategy, str) and strategy in ("auto", "fsdp")):
+        return {}
+    class_path = getattr(strategy, "class_path", None) if not isinstance(strategy, dict) else strategy.get("class_path")
+    if class_path is None:
+        raise ValueError(
+            f"ray-fit trains with FSDP (RayQwen3TTSFSDPStrategy); trainer.strategy={strategy!r} is not supported "
+            "(use auto, fsdp or tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy)"
+        )
+    name = class_path.rsplit(".", 1)[-1]
+    if name not in ("Qwen3TTSFSDPStrategy", "RayQwen3TTSFSDPStrategy"):
+        raise ValueError(
+            f"ray-fit trains with FSDP (RayQwen3TTSFSDPStrategy); trainer.strategy {class_path} is not supported"
+        )
+    init = strategy.get("init_args") if isinstance(strategy, dict) else getattr(strategy, "init_args", None)
+    if init is None:
+        return {}
+    init = init.as_dict() if hasattr(init, "as_dict") else dict(init)
+    # Set by the Trainer / Ray, never from YAML.
+    for key in ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"):
+        init.pop(key, None)
+    return init
+
+
+def _ray_trainer_overrides(options: RayOptions, report: Callback) -> Callable[[TTSLightningCLI], dict]:
+    def overrides(cli: TTSLightningCLI) -> dict[str, Any]:
+        trainer_cfg = cli.config["trainer"]
+        init_plugins = cli.config_init["trainer"].get("plugins") or []
+        init_plugins = init_plugins if isinstance(init_plugins, list) else [init_plugins]
+        callbacks = cli.config_init["trainer"].get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        return {
+            "strategy": RayQwen3TTSFSDPStrategy(**strategy_init_args(trainer_cfg.get("strategy"))),
+            "accelerator": "gpu" if options.use_gpu else "cpu",
+            "devices": "auto",  # one process per Ray worker
+            "num_nodes": 1,
+            "plugins": [p for p in init_plugins if not isinstance(p, ClusterEnvironment)]
+            + [RayLightningEnvironment()],
+            # A new list: LightningCLI appends its extra callbacks to the one it is given.
+            "callbacks": [*callbacks, report],
+        }
+
+    return overrides
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+class RayCheckpointReport(Callback):
+    """Save a Lightning checkpoint and report it to Ray Train, from every rank.
+
+    Saves every ``every_n_steps`` optimizer steps (0: at each training epoch end) and once more
+    when training ends. Ray's stock `RayTrainReportCallback` only reports at epoch ends, and with
+    a sharded FSDP state dict it loses shards on a multi-node cluster: Lightning broadcasts rank
+    0's path, so every rank writes its ``__<rank>_0.distcp`` into a folder named after rank 0's
+    temporary folder, while each rank reports (uploads) its own, empty, folder. Here each rank
+    saves into the same node-local path, then reports a folder holding only the files it wrote
+    (its shard; rank 0 also ``.metadata`` and ``meta.pt``, or the whole file of a full
+    checkpoint), and Ray merges them into ``checkpoint_stepNNNNNN/checkpoint.ckpt``.
+    """
+
+    def __init__(self, every_n_steps: int = 0) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._last_step: int | None = None
+        ctx = ray.train.get_context()
+        run = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.get_experiment_name())
+        self.local_root = Path(tempfile.gettempdir(), f"tts-lightning-ray-{run}")
+
+    def on_train_start(self, trainer: Trainer, pl_module) -> None:
+        self._last_step = trainer.global_step  # a resumed run does not save its start again
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step == 0:
+            return
+        periodic = self.every_n_steps and step % self.every_n_steps == 0
+        if periodic or (trainer.max_steps > 0 and step >= trainer.max_steps):  # the last step: mid-epoch state
+            self.report(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module) -> None:
+        if not self.every_n_steps and trainer.global_step != self._last_step:
+            self.report(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module) -> None:
+        if trainer.global_step != self._last_step:
+            self.report(trainer)
+        if trainer.local_rank == 0:
+            shutil.rmtree(self.local_root, ignore_errors=True)
+
+    def on_exception(self, trainer: Trainer, pl_module, exception: BaseException) -> None:
+        if trainer.local_rank == 0:
+            shutil.rmtree(self.local_root, ignore_errors=True)
+
+    def report(self, trainer: Trainer) -> None:
+        step, rank = trainer.global_step, trainer.global_rank
+        tag = f"step{step:06d}"
+        saved = self.local_root / tag / CHECKPOINT_NAME  # the same path on every rank
+        trainer.save_checkpoint(saved, weights_only=False)
+        trainer.strategy.barrier()  # every rank's files are written
+
+        mine = self.local_root / f"{tag}-rank{rank}"
+        shutil.rmtree(mine, ignore_errors=True)
+        own = self._own_files(saved, rank)
+        for src in own:
+            dst = mine / CHECKPOINT_NAME / src.relative_to(saved) if saved.is_dir() else mine / CHECKPOINT_NAME
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(src, dst)
+
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        metrics.update(step=step, epoch=trainer.current_epoch)
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(str(mine)) if own else None,
+            checkpoint_dir_name=f"checkpoint_{tag}",
+        )
+        if _ray_train_v2():
+            # Ray registers a checkpoint only once it has collected every rank's report, which it
+            # polls for; a worker dying before that would lose it. Wait until it is committed.
+            if trainer.global_rank == 0:
+                ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        trainer.strategy.barrier()  # every rank has uploaded before the local files go
+        shutil.rmtree(mine, ignore_errors=True)
+        if trainer.local_rank == 0:
+            shutil.rmtree(saved.parent, ignore_errors=True)
+        self._last_step = step
+
+    @staticmethod
+    def _own_files(saved: Path, rank: int) -> list[Path]:
+        """The files of a checkpoint this rank wrote."""
+        if saved.is_file():
+            return [saved] if rank == 0 else []
+        if not saved.is_dir():
+            return []
+        own = []
+        for path in sorted(p for p in saved.rglob("*") if p.is_file()):
+            shard = _SHARD_FILE.search(path.name)
+            if (shard is not None and int(shard.group(1)) == rank) or (shard is None and rank == 0):
+                own.append(path)
+        return own
+
+
+def _ray_train_v2() -> bool:
+    return bool(getattr(ray.train, "is_v2_enabled", lambda: False)())
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def checkpoint_file(checkpoint_dir: str | os.PathLike) -> Path:
+    """The Lightning checkpoint (a file, or a sharded folder) inside a reported Ray checkpoint."""
+    return Path(checkpoint_dir) / CHECKPOINT_NAME
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The newest checkpoint Ray committed for a run folder (``<storage_path>/<name>``), as the
+    path (or URI) of its Lightning checkpoint; None when there is none."""
+    try:
+        checkpoint = ray.train.Result.from_path(run_dir).checkpoint
+    except (RuntimeError, OSError, ValueError):
+        return None
+    if checkpoint is None:
+        return None
+    path = str(checkpoint_file(checkpoint.path))
+    scheme = run_dir.split("://", 1)[0] if "://" in run_dir else None
+    return f"{scheme}://{path}" if scheme else path
+
+
+# -- the worker -----------------------------------------------------------------------------------
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """What every Ray worker runs: build everything from the config, then fit or resume."""
+    cwd = config.get("cwd")
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)  # relative paths of the config mean what they mean on the driver
+    options = RayOptions(**config["options"])
+    report = RayCheckpointReport(options.checkpoint_every_n_steps)
+    cli = build_cli(list(config["args"]), _ray_trainer_overrides(options, report))
+    trainer = prepare_trainer(cli.trainer)
+    # The driver prepared the cache; one process checks it (it finds everything cached).
+    cli.datamodule.prepare_data_per_node = False
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=config.get("ckpt_path"))
+        return
+    with checkpoint.as_directory() as directory:
+        ckpt_path = checkpoint_file(directory)
+        if trainer.global_rank == 0:
+            print(f"[ray-fit] resuming from {checkpoint.path} ({ckpt_path})", flush=True)
+        trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(ckpt_path))
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def prepare_on_driver(args: list[str]) -> TTSLightningCLI:
+    """Parse and check the config as ``fit`` would, and prepare the data once, here."""
+    cli = build_cli(args, None)
+    strategy_init_args(cli.config["trainer"].get("strategy"))  # refuse a non-FSDP strategy early
+    cli.datamodule.prepare()
+    return cli
+
+
+def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
+    """Prepare the data on the driver, then train on Ray. Returns Ray's `Result`; raises
+    `RayFitError` when the workers fail more than ``max_failures`` times. ``args`` are LightningCLI
+    arguments without a subcommand (``--config FILE --trainer.max_steps 10 ...``)."""
+    cli = prepare_on_driver(args)
+    root = cli.config["trainer"].get("default_root_dir") or "runs"
+    storage_path = options.storage_path or str(Path(root, "ray").expanduser().absolute())
+    if "://" not in storage_path:
+        storage_path = str(Path(storage_path).expanduser().absolute())
+    name = options.name or f"tts-lightning-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    strategy_args = strategy_init_args(cli.config["trainer"].get("strategy"))
+    if strategy_args.get("state_dict_type") == "full" and not options.use_gpu:
+        warnings.warn("state_dict_type=full on CPU saves a wrong optimizer state (exp_avg == exp_avg_sq), so a "
+                      "resumed run differs; use sharded checkpoints on CPU", stacklevel=2)
+    timeout = strategy_args.get("timeout")
+    torch_config = TorchConfig(
+        backend=strategy_args.get("process_group_backend"),
+        timeout_s=int(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else 1800,
+    )
+    resources = dict(options.resources_per_worker or {})
+    resources.setdefault("CPU", 1)
+    if options.use_gpu:
+        resources.setdefault("GPU", 1)
+
+    env_vars = dict(options.env_vars)
+    started = not ray.is_initialized()
+    if started:
+        init: dict[str, Any] = {"address": options.address}
+        if options.address == "local":
+            init["include_dashboard"] = False
+            # A one-machine cluster sized for the requested workers; workers import this package
+            # from where the driver does.
+            init["num_cpus"] = max(os.cpu_count() or 1, int(options.num_workers * resources["CPU"]))
+            path = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            env_vars.setdefault("PYTHONPATH", os.pathsep.join(dict.fromkeys(path)))
+        if env_vars:
+            init["runtime_env"] = {"env_vars": env_vars}
+        ray.init(**init)
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "args": list(args),
+            "options": asdict(options),
+            "cwd": os.getcwd(),
+            "ckpt_path": ckpt_path,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=options.num_workers, use_gpu=options.use_gpu, resources_per_worker=resources
+        ),
+        torch_config=torch_config,
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=options.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=options.num_to_keep),
+        ),
+    )
+    run_dir = f"{storage_path}/{name}"
+    print(f"[ray-fit] run {name}: checkpoints under {run_dir}", flush=True)
+    try:
+        return trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        latest = latest_checkpoint(run_dir)
+        raise RayFitError(
+            f"training failed (max_failures={options.max_failures}): {type(exc).__name__}: {exc}",
+            run_dir=run_dir, checkpoint=latest,
+        ) from exc
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def describe_result(result) -> str:
+    """What a finished run prints: the latest checkpoint and its main metrics."""
+    lines = []
+    if result.checkpoint is not None:
+        lines.append(f"latest checkpoint: {checkpoint_file(result.checkpoint.path)}")
+    metrics = {k: result.metrics[k] for k in ("step", "epoch", "train/loss", "val/loss") if k in (result.metrics or {})}
+    if metrics:
+        lines.append("metrics: " + json.dumps(metrics))
+    return "\n".join(lines)
