@@ -52,8 +52,11 @@ def trainer_defaults() -> dict[str, Any]:
     }
 
 
-def cli_main(args: list[str] | None = None, *, run: bool = True) -> TTSLightningCLI:
-    return TTSLightningCLI(
+def cli_main(
+    args: list[str] | None = None, *, run: bool = True, cli_class: type[TTSLightningCLI] = TTSLightningCLI
+) -> TTSLightningCLI:
+    """The CLI every entry point builds (`fit` and friends, `ray-fit` workers, config tests)."""
+    return cli_class(
         Qwen3TTSModule,
         SpeakerClipsDataModule,
         trainer_defaults=trainer_defaults(),

@@ -42,10 +42,8 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment, prepare_trainer
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from tts_lightning.cli import TTSLightningCLI, trainer_defaults
-from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
-from tts_lightning.model.module import Qwen3TTSModule
 
 CHECKPOINT_NAME = "checkpoint.ckpt"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
@@ -100,15 +98,7 @@ def build_cli(args: list[str], trainer_overrides: Callable[[TTSLightningCLI], di
     with warnings.catch_warnings():
         # `args` is all of sys.argv but the --ray.* options: intended, not a mistake.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        # The same arguments as tts_lightning.cli.cli_main.
-        return _RayCLI(
-            Qwen3TTSModule,
-            SpeakerClipsDataModule,
-            trainer_defaults=trainer_defaults(),
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            run=False,
-        )
+        return cli_main(args, run=False, cli_class=_RayCLI)
 
 
 def strategy_init_args(strategy: Any) -> dict[str, Any]:
