@@ -18,7 +18,7 @@ demo: install
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning tiny-model runs/tiny-model
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning export --overwrite --dtype fp32 \
-		--ckpt $$(ls -td runs/tiny-cpu/tensorboard/version_*/checkpoints/last.ckpt | head -1) \
+		--ckpt runs/tiny-cpu/checkpoints/last.ckpt \
 		--out runs/tiny-cpu/voice
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav

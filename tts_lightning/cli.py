@@ -7,6 +7,7 @@ resolved config is saved next to the TensorBoard logs and checkpoints.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
@@ -22,12 +23,19 @@ def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
     return list(data.speaker_names)
 
 
+def _checkpoint_dir(default_root_dir: str | None) -> str:
+    # One stable folder per run directory, not one per logger version, so that
+    # `--ckpt_path last` finds the checkpoint an interrupted run left.
+    return os.path.join(default_root_dir or "runs", "checkpoints")
+
+
 class TTSLightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.pretrained", "model.pretrained")
         parser.link_arguments("data", "model.speakers", compute_fn=_speaker_names, apply_on="instantiate")
         # Checkpointing is part of every run and tunable from YAML under `checkpoint:`.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/loss",

@@ -21,7 +21,7 @@ CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 
 
 def run_cli(*args, cwd, check=True, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}"}
     proc = subprocess.run([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -83,14 +83,24 @@ def final_weights(run_dir):
     return load_training_checkpoint(newest)
 
 
-def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir):
-    steps, stop = 14, 7  # stop mid-epoch: the data order must resume too
-    common = ("--trainer.val_check_interval", 7)
-    run_cli(*fit_args(workdir, tiny_dir, "straight", "--trainer.max_steps", steps, *common), cwd=workdir)
-    run_cli(*fit_args(workdir, tiny_dir, "resumed", "--trainer.max_steps", stop, *common), cwd=workdir)
-    run_cli(*fit_args(workdir, tiny_dir, "resumed", "--trainer.max_steps", steps, *common,
-                      "--ckpt_path", "last"), cwd=workdir)
-    straight, resumed = final_weights(workdir / "straight"), final_weights(workdir / "resumed")
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, state_dict_type):
+    """A run killed mid-epoch at step 9 (last checkpoint at step 7) and resumed with
+    `--ckpt_path last` ends with the weights of a run that was never interrupted."""
+    steps = 14
+    common = ("--trainer.max_steps", steps, "--trainer.val_check_interval", 7,
+              "--trainer.strategy.init_args.state_dict_type", state_dict_type)
+    straight_dir, resumed_dir = f"straight-{state_dict_type}", f"resumed-{state_dict_type}"
+    run_cli(*fit_args(workdir, tiny_dir, straight_dir, *common), cwd=workdir)
+    crash = '{"class_path": "crash_callbacks.CrashAt", "init_args": {"step": 9}}'
+    crashed = run_cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"),
+                      cwd=workdir, check=False)
+    assert crashed.returncode != 0 and "[CrashAt] rank 0 exits at global_step 9" in crashed.stdout
+    assert load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt").global_step == 7
+    resumed_run = run_cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
+    assert "Restoring states from the checkpoint path" in resumed_run.stdout + resumed_run.stderr
+    straight, resumed = final_weights(workdir / straight_dir), final_weights(workdir / resumed_dir)
+    assert straight.path.is_dir() == (state_dict_type == "sharded")
     assert straight.global_step == resumed.global_step == steps
     assert straight.state_dict.keys() == resumed.state_dict.keys()
     assert any(k.startswith("model.speaker_encoder.") for k in resumed.state_dict)  # kept for resume

@@ -153,6 +153,28 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy
 
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._state_dict_type != "full" or self.root_device.type != "cpu":
+            return super().optimizer_state(optimizer)
+        # On CPU, FSDP's offload_to_cpu (a no-op copy there) makes the full optimizer state reuse one
+        # buffer for every state of a parameter: exp_avg came out equal to exp_avg_sq and a resumed
+        # run silently diverged. Gather without it.
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        with FSDP.state_dict_type(
+            self.model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        ):
+            state = FSDP.optim_state_dict(self.model, optimizer)
+            if self.global_rank == 0:
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            return state
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write beside the destination, then rename, so an interrupted save never leaves a
         half-written checkpoint where `--ckpt_path last` would find it."""
