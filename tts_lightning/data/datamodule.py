@@ -201,6 +201,9 @@ class SpeakerClipsDataModule(LightningDataModule):
         num_reference_clips: int = 3,
         encode_batch_size: int = 8,
         prepare_device: Optional[str] = None,
+        predict_texts: Optional[list[str]] = None,
+        predict_texts_file: Optional[str] = None,
+        predict_speakers: Optional[list[str]] = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -598,6 +601,26 @@ class SpeakerClipsDataModule(LightningDataModule):
             rank=rank,
         )
         return self._loader(self.val_dataset, sampler)
+
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_texts`` and the lines of ``predict_texts_file``, each spoken by every speaker of
+        ``predict_speakers`` (default: all the run's speakers) in the speaker's training language
+        (or ``language``). Sharded here, the same number of items on every rank (padding repeats are
+        not written): under FSDP all ranks generate in lockstep."""
+        from tts_lightning.data.predict import TextsDataset, collate_texts, read_texts, speaker_languages
+
+        self._require_setup()
+        h = self.hparams
+        speakers = list(h.predict_speakers or self.speaker_names)
+        unknown = sorted(set(speakers) - set(self.speaker_names))
+        if unknown:
+            raise ValueError(f"predict_speakers {unknown} are not speakers of this run {self.speaker_names}")
+        world, rank = self._replicas()
+        dataset = TextsDataset(
+            read_texts(h.predict_texts, h.predict_texts_file), speakers,
+            languages=h.language or speaker_languages(self._index), num_replicas=world, rank=rank,
+        )
+        return DataLoader(dataset, batch_size=h.batch_size or 8, collate_fn=collate_texts)
 
     # -- resume ---------------------------------------------------------------------------------
 

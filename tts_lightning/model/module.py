@@ -11,8 +11,11 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
 from tts_lightning.model.loss import LossOutput, compute_loss
 from tts_lightning.model.pretrained import build_model, check_pretrained
+from tts_lightning.model.pretrained import load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.sequence import tokenize_text
 from tts_lightning.model.sequence import TalkerBatch
 
 DEFAULT_FREEZE = ("speaker_encoder",)
@@ -98,11 +101,7 @@ class Qwen3TTSModule(L.LightningModule):
         return compute_loss(self.talker, batch, self.hparams.sub_talker_loss_weight)
 
     def _shared_step(self, batch: TalkerBatch, stage: str) -> torch.Tensor:
-        if len(self.speakers):
-            with torch.no_grad():
-                self.speaker_embeddings[batch.speaker_index] = batch.speaker_embedding.to(
-                    self.speaker_embeddings.dtype
-                )
+        self._remember_speakers(batch)
         out = self(batch)
         on_step = stage == "train"
         log = dict(batch_size=len(batch), sync_dist=True, on_step=on_step, on_epoch=True)
@@ -119,6 +118,26 @@ class Qwen3TTSModule(L.LightningModule):
                      on_epoch=True, batch_size=len(batch))
         return out.loss
 
+    @torch.no_grad()
+    def _remember_speakers(self, batch: TalkerBatch) -> None:
+        """Copy the batch's speaker embeddings into the `speaker_embeddings` buffer that checkpoints
+        and export carry, on every rank: each row comes from one rank that saw the speaker (summing
+        one value with zeros is exact), so all ranks hold the same complete table."""
+        table = self.speaker_embeddings
+        if not len(self.speakers) or bool((table.abs().sum(1) > 0).all()):
+            return  # complete: the same on every rank, so every rank skips the collectives together
+        local = torch.zeros_like(table)
+        local[batch.speaker_index] = batch.speaker_embedding.to(table.dtype)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            me = dist.get_rank() + 1
+            owner = (local.abs().sum(1) > 0).long() * me
+            dist.all_reduce(owner, op=dist.ReduceOp.MAX)
+            local[owner != me] = 0
+            dist.all_reduce(local)
+        new = (local.abs().sum(1) > 0) & (table.abs().sum(1) == 0)
+        table[new] = local[new]
+
     def training_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")
 
@@ -127,6 +146,51 @@ class Qwen3TTSModule(L.LightningModule):
 
     def test_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "test")
+
+    def predict_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Speak each text of the batch as its speaker, with this checkpoint's weights.
+
+        ``batch`` is a dict of lists: ``text`` and ``speaker`` (a name of ``self.speakers``), and
+        optionally ``language`` ("auto" by default), ``id`` and ``padding`` (rows added to even out
+        ranks; passed through). Sampling settings come from the pretrained directory's
+        ``generation_config.json``, as in the official ``qwen_tts``. Returns one dict per row:
+        ``id, text, speaker, language, padding, codes`` (T x 16), ``audio`` (float32) and
+        ``sample_rate`` (24 kHz).
+        """
+        texts, speakers = list(batch["text"]), list(batch["speaker"])
+        n = len(texts)
+        if len(speakers) != n:
+            raise ValueError(f"predict batch has {n} texts but {len(speakers)} speakers")
+        languages = list(batch.get("language") or ["auto"] * n)
+        ids = list(batch.get("id") or [f"{batch_idx:04d}_{i}" for i in range(n)])
+        padding = list(batch.get("padding") or [False] * n)
+        rows = {name: i for i, name in enumerate(self.speakers)}
+        unknown = sorted({s for s in speakers if s not in rows})
+        if unknown:
+            raise ValueError(f"unknown speaker(s) {unknown}; this model speaks as {self.speakers}")
+        index = torch.tensor([rows[s] for s in speakers], dtype=torch.long, device=self.speaker_embeddings.device)
+        embeddings = self.speaker_embeddings[index].float()
+        empty = sorted({s for s, e in zip(speakers, embeddings) if not bool(e.abs().sum() > 0)})
+        if empty:
+            raise ValueError(f"speaker(s) {empty} have no embedding in this checkpoint (never seen in a training step)")
+        # Tokenizers and sampling settings: loaded on first use, kept on the module (not in hparams,
+        # not in the state dict).
+        tools = getattr(self, "_predict_tools", None)
+        if tools is None:
+            info = check_pretrained(self.hparams.pretrained)
+            tools = (load_text_tokenizer(info), load_speech_tokenizer(info, device=self.device),
+                     generation_defaults(info.path))
+            object.__setattr__(self, "_predict_tools", tools)
+        text_tokenizer, speech_tokenizer, defaults = tools
+        codes = generate_codes(
+            self.model, [tokenize_text(text_tokenizer, t) for t in texts], embeddings, languages, **defaults
+        )
+        audio = decode_codes(speech_tokenizer, codes)
+        return [
+            {"id": ids[i], "text": texts[i], "speaker": speakers[i], "language": languages[i],
+             "padding": bool(padding[i]), "codes": codes[i], "audio": audio[i], "sample_rate": SAMPLE_RATE}
+            for i in range(n)
+        ]
 
     # -- optimisation ------------------------------------------------------------------------
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):

@@ -1,0 +1,286 @@
+"""SpeakerSamplesCallback: audio, spectrograms and speaker similarity in TensorBoard, in one process
+and under 2-rank FSDP (through the CLI), without touching training's RNG; predict writes wav files."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.callbacks import SpeakerSamplesCallback
+from tts_lightning.data.predict import PredictionWriter, TextsDataset, collate_texts
+from tts_lightning.metrics import similarity_unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+TEXTS = ["Good morning.", "See you soon."]
+SPEAKERS = ["alice", "bob"]
+needs_resemblyzer = pytest.mark.skipif(similarity_unavailable() is not None, reason=str(similarity_unavailable()))
+
+
+def read_events(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {run_dir}"
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"audio": 0, "images": 0, "scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def check_audio(acc, steps):
+    """Every speaker x text has a decodable 24 kHz clip at exactly `steps`, and a spectrogram."""
+    tags = acc.Tags()
+    for speaker in SPEAKERS:
+        for i in range(len(TEXTS)):
+            clips = acc.Audio(f"samples/{speaker}/{i}")
+            assert [e.step for e in clips] == steps
+            for event in clips:
+                assert event.sample_rate == 24_000
+                wav, sr = sf.read(io.BytesIO(event.encoded_audio_string))
+                assert sr == 24_000 and len(wav) >= 2 * 1920 and np.abs(wav).max() > 0
+            images = acc.Images(f"spectrograms/{speaker}/{i}")
+            assert [e.step for e in images] == steps
+            assert images[0].height == 80 and images[0].width > 5
+    assert "samples/text_0/text_summary" in tags["tensors"]  # what was said
+
+
+class RNGProbe(Callback):
+    """Records the global RNG state when its on_validation_epoch_end runs."""
+
+    def __init__(self):
+        self.states = []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.states.append(torch.get_rng_state().clone())
+
+
+@needs_resemblyzer
+def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodule, tmp_path):
+    L.seed_everything(0)
+    data = make_datamodule()
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    samples = SpeakerSamplesCallback(every_n_val_epochs=2, texts=TEXTS, max_new_tokens=24, seed=0)
+    before, after = RNGProbe(), RNGProbe()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, val_check_interval=1, limit_val_batches=1,
+        num_sanity_val_steps=1, logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[before, samples, after], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+
+    assert samples.validation_runs == 4  # the sanity check is not counted
+    # The callback ran twice (runs 2 and 4), and training's RNG is as if it had not run at all.
+    assert len(before.states) == len(after.states) == 4
+    for a, b in zip(before.states, after.states):
+        assert torch.equal(a, b)
+    acc = read_events(tmp_path / "tb")
+    check_audio(acc, steps=[2, 4])  # every 2nd validation run; never the sanity check (step 0)
+    # Through `pl_module.log` (Lightning picks the step of validation metrics), and per speaker at
+    # the samples' step; the overall score is the mean over all samples (2 per speaker).
+    scores = [e.value for e in acc.Scalars("val/speaker_similarity")]
+    per_speaker = {s: acc.Scalars(f"val/speaker_similarity/{s}") for s in SPEAKERS}
+    assert len(scores) == 2 and all(-1.0 <= v <= 1.0 for v in scores)
+    for run, score in enumerate(scores):
+        assert [e.step for e in per_speaker["alice"]] == [2, 4]
+        assert score == pytest.approx(np.mean([per_speaker[s][run].value for s in SPEAKERS]), abs=1e-5)
+    # Logged through Lightning: a ModelCheckpoint could monitor it.
+    assert "val/speaker_similarity" in trainer.callback_metrics
+    assert module.training  # back in train mode
+
+
+def test_needs_tensorboard_or_similarity(tiny_dir, make_datamodule, tmp_path, monkeypatch):
+    """Without a TensorBoard logger and with similarity off, it warns once and does nothing."""
+    data = make_datamodule()
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=4, similarity=False)
+    monkeypatch.setattr(samples, "_sample", lambda *a: pytest.fail("generated with nothing to log to"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=CSVLogger(tmp_path), callbacks=[samples],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(module, datamodule=data)
+    assert samples.validation_runs == 2
+    assert sum("TensorBoard only" in str(w.message) for w in record) == 1  # said once
+
+
+def test_without_resemblyzer_logs_audio_and_says_why_once(tiny_dir, make_datamodule, tmp_path, monkeypatch):
+    import tts_lightning.metrics.speaker_similarity as similarity
+
+    reason = "resemblyzer is not importable (ModuleNotFoundError: no module named 'resemblyzer'); " + \
+        similarity.INSTALL_HINT
+    monkeypatch.setattr(similarity, "similarity_unavailable", lambda: reason)
+    data = make_datamodule()
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=TensorBoardLogger(tmp_path, name="tb"), callbacks=[samples],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(module, datamodule=data)
+    assert sum("tts-lightning[eval]" in str(w.message) for w in record) == 1
+    acc = read_events(tmp_path / "tb")
+    check_audio(acc, steps=[1, 2])
+    assert not any("speaker_similarity" in tag for tag in acc.Tags()["scalars"])
+    assert "val/speaker_similarity" not in trainer.callback_metrics
+
+
+def run_cli(*args, cwd, timeout):
+    """The CLI in its own process group: on timeout (a deadlock) every rank is killed, not only
+    the launcher, and the test fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return stdout + stderr
+
+
+def cli_data_args(tiny_dir, demo_data):
+    _, manifest, cache = demo_data
+    return ["--config", CONFIG, "--data.pretrained", tiny_dir, "--data.train_manifest", manifest,
+            "--data.cache_dir", cache, "--data.max_frames_per_batch", 150]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tiny_dir, demo_data):
+    """`tts-lightning fit` on 2 FSDP ranks with the callback; a deadlock fails on the timeout."""
+    if similarity_unavailable() is not None:
+        pytest.skip(similarity_unavailable())
+    root = demo_data[0]
+    run = root / "fsdp"
+    output = run_cli(
+        "fit", *cli_data_args(tiny_dir, demo_data),
+        "--trainer.max_steps", 4, "--trainer.val_check_interval", 4, "--trainer.limit_val_batches", 1,
+        "--trainer.num_sanity_val_steps", 1,
+        "--trainer.default_root_dir", run, "--trainer.logger.init_args.save_dir", run,
+        "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback",
+        "--trainer.callbacks.texts", "[" + ", ".join(TEXTS) + "]", "--trainer.callbacks.max_new_tokens", 24,
+        # The checkpoint monitors the similarity: all ranks must have logged it, or this fails.
+        "--checkpoint.monitor", "val/speaker_similarity", "--checkpoint.mode", "max",
+        "--checkpoint.filename", "step{step:06d}-sim{val/speaker_similarity:.4f}",
+        cwd=root, timeout=150,
+    )
+    return run, output
+
+
+@pytest.mark.slow
+def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamodule):
+    run, output = fsdp_run
+    assert "[rank 1] FSDP FULL_SHARD" in output  # really sharded over 2 ranks
+    acc = read_events(run)
+    check_audio(acc, steps=[4])
+    (score,) = acc.Scalars("val/speaker_similarity")  # logged once, the same on both ranks
+    assert -1.0 <= score.value <= 1.0
+    checkpoints = [p for p in run.rglob("step*") if "-sim" in p.name]
+    assert checkpoints, "ModelCheckpoint did not save on the monitored metric"
+
+    # The samples are those of the weights at that step, gathered from both ranks' shards: a plain
+    # model loaded from the checkpoint speaks the very same audio with the same seed.
+    from tts_lightning.model.checkpoint import load_training_checkpoint
+    from tts_lightning.model.generation import decode_codes, generate_codes
+    from tts_lightning.model.pretrained import build_model, check_pretrained, load_speech_tokenizer, load_text_tokenizer
+    from tts_lightning.model.sequence import tokenize_text
+
+    ckpt = load_training_checkpoint(checkpoints[0])
+    info = check_pretrained(tiny_dir)
+    model = build_model(info).eval()
+    model.load_state_dict(ckpt.model_state_dict())
+    data = make_datamodule()
+    data.setup("fit")
+    table = data.speaker_embeddings()  # the values the run's buffer holds for every speaker it has seen
+    tokenizer = load_text_tokenizer(info)
+    rows = [(s, i) for s in range(len(SPEAKERS)) for i in range(len(TEXTS))]
+    codes = generate_codes(model, [tokenize_text(tokenizer, TEXTS[i]) for _, i in rows],
+                           torch.stack([table[s] for s, _ in rows]), ["english"] * len(rows),
+                           max_new_tokens=24, seed=0)
+    for (s, i), wav in zip(rows, decode_codes(load_speech_tokenizer(info), codes)):
+        logged, _ = sf.read(io.BytesIO(acc.Audio(f"samples/{SPEAKERS[s]}/{i}")[0].encoded_audio_string),
+                            dtype="float32")
+        assert logged.shape == wav.shape
+        assert np.abs(logged - np.clip(wav, -1, 1)).max() < 2e-4  # 16-bit quantisation in the event file
+
+
+def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
+    data = make_datamodule()
+    data.setup("fit")
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    module.configure_model()
+    module.speaker_embeddings.copy_(data.speaker_embeddings())
+    texts = ["Hello there.", "Goodbye now.", "One more."]
+    # Rank 1 of 2: items 1, 3, 5 of 6 (text x speaker) -> 0000/bob, 0001/bob, 0002/bob.
+    dataset = TextsDataset(texts, SPEAKERS, languages="english", num_replicas=2, rank=1)
+    # One item on 2 ranks: rank 1 gets a padding repeat, which is generated but not written.
+    padded = TextsDataset(["Extra."], ["alice"], ids=["extra"], num_replicas=2, rank=1)
+    assert [i["padding"] for i in padded] == [True]
+    assert [i["padding"] for i in TextsDataset(["Extra."], ["alice"], num_replicas=2, rank=0)] == [False]
+    out = tmp_path / "wavs"
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[PredictionWriter(str(out))],
+                        enable_progress_bar=False, enable_model_summary=False)
+    batches = trainer.predict(module, dataloaders=[
+        DataLoader(dataset, batch_size=2, collate_fn=collate_texts),
+        DataLoader(padded, batch_size=2, collate_fn=collate_texts),
+    ])
+    written = sorted(p.name for p in out.glob("*.wav"))
+    assert written == ["0000_bob.wav", "0001_bob.wav", "0002_bob.wav"]  # not the padding row
+    predictions = [p for loader in batches for batch in loader for p in batch]
+    assert len(predictions) == 4 and predictions[-1]["padding"]
+    for p in predictions[:3]:
+        wav, sr = sf.read(out / f"{p['id']}_{p['speaker']}.wav")
+        assert sr == 24_000 and p["sample_rate"] == 24_000
+        assert p["codes"].dim() == 2 and p["codes"].shape[1] == 16 and p["codes"].shape[0] >= 2
+        assert len(wav) == len(p["audio"]) == p["codes"].shape[0] * 1920
+        assert p["audio"].dtype == np.float32 and np.abs(wav - np.clip(p["audio"], -1, 1)).max() < 1e-3
+        assert (out / f"{p['id']}_{p['speaker']}.txt").read_text().strip() == p["text"]
+
+    with pytest.raises(ValueError, match="unknown speaker"):
+        module.predict_step({"text": ["Hi."], "speaker": ["carol"]}, 0)
+    module.speaker_embeddings[1].zero_()
+    with pytest.raises(ValueError, match="no embedding"):
+        module.predict_step({"text": ["Hi."], "speaker": ["bob"]}, 0)
+
+
+def _datamodule_predicts() -> bool:
+    from lightning import LightningDataModule
+
+    from tts_lightning import SpeakerClipsDataModule
+
+    return SpeakerClipsDataModule.predict_dataloader is not LightningDataModule.predict_dataloader
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _datamodule_predicts(), reason="SpeakerClipsDataModule has no predict_dataloader yet")
+def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
+    """`tts-lightning predict` from the sharded checkpoint: both ranks generate in lockstep (rows of
+    different lengths), each text x speaker is written once."""
+    run, _ = fsdp_run
+    out = run / "wavs"
+    texts = ["Hello there.", "How are you today?", "Goodbye."]
+    run_cli("predict", *cli_data_args(tiny_dir, demo_data), "--ckpt_path", run.rglob("last.ckpt").__next__(),
+            "--trainer.logger", "false", "--data.predict_texts", "[" + ", ".join(texts) + "]",
+            "--trainer.callbacks+=tts_lightning.data.predict.PredictionWriter",
+            "--trainer.callbacks.output_dir", out, cwd=run, timeout=150)
+    written = sorted(p.name for p in out.glob("*.wav"))
+    assert written == [f"{i:04d}_{s}.wav" for i in range(len(texts)) for s in SPEAKERS]
+    for name in written:
+        wav, sr = sf.read(out / name)
+        assert sr == 24_000 and len(wav) >= 2 * 1920 and len(wav) % 1920 == 0

@@ -1,0 +1,162 @@
+"""Speak with the model being trained, through the official `Qwen3TTSForConditionalGeneration.generate`.
+
+The speaker goes in as an x-vector voice-clone prompt (the raw speaker embedding in the speaker slot)
+in **non-streaming** mode: exactly the layout training uses (see `tts_lightning.model.sequence`).
+``generate_voice_clone`` defaults to streaming, a different layout, so it is not used here.
+
+Two traps are handled here rather than at every call site:
+
+- ``module.dtype`` lies under FSDP mixed precision (it reports the fp32 flat parameter while the
+  forward computes in bf16), and the official code casts the speaker embedding to it. The embedding
+  is cast to the compute dtype of the weights, and generation runs under autocast when the two differ.
+- Sampling draws from the global RNG: with ``seed`` the draw is reproducible and the caller's RNG
+  state (training's) is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+SAMPLE_RATE = 24_000
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the talker's weights compute in: FSDP's ``param_dtype`` when a mixed-precision FSDP
+    unit manages the model, else the dtype of the codec-embedding weights (never ``module.dtype``)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        FullyShardedDataParallel = ()  # type: ignore[assignment]
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):
+            param_dtype = getattr(getattr(module, "mixed_precision", None), "param_dtype", None)
+            if param_dtype is not None:
+                return param_dtype
+    return model.talker.get_input_embeddings().weight.dtype
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    if device.type == "cuda":
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    return []
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Seed the global RNG for the block and restore the caller's RNG state afterwards."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        torch.manual_seed(int(seed))
+        yield
+
+
+def generate_codes(
+    model: nn.Module,
+    text_ids: Sequence[Sequence[int]],
+    speaker_embeddings: Tensor,
+    languages: Sequence[str] | None = None,
+    *,
+    max_new_tokens: int = 2048,
+    do_sample: bool = True,
+    seed: int | None = None,
+    dtype: torch.dtype | None = None,
+    **generate_kwargs: Any,
+) -> list[Tensor]:
+    """One LongTensor (T, G) of codec frames per row, stopped at ``codec_eos``.
+
+    Args:
+        model: a `Qwen3TTSForConditionalGeneration` (plain, or with FSDP-managed submodules whose
+            parameters are usable in this context).
+        text_ids: per row, the tokenised chat template (`tts_lightning.model.sequence.tokenize_text`).
+        speaker_embeddings: (B, D) fp32 raw speaker embeddings, one per row.
+        languages: per row, "auto" or a language the model knows; default "auto" for all.
+        max_new_tokens: cap on generated frames (12.5 frames per second).
+        do_sample: sample (the official default) or greedy decoding of code 0.
+        seed: seeds sampling for this call only; the caller's RNG state is restored afterwards.
+        dtype: the dtype the weights compute in; default `compute_dtype(model)`. Pass the weights'
+            own dtype when FSDP's forward is bypassed (full-precision ``summon_full_params``).
+        generate_kwargs: passed to ``model.generate`` (top_k, temperature, subtalker_*,
+            repetition_penalty, ...).
+    """
+    B = len(text_ids)
+    if speaker_embeddings.dim() != 2 or speaker_embeddings.shape[0] != B:
+        raise ValueError(
+            f"speaker_embeddings must be ({B}, D) for {B} texts, got {tuple(speaker_embeddings.shape)}"
+        )
+    languages = ["auto"] * B if languages is None else [lang or "auto" for lang in languages]
+    if len(languages) != B:
+        raise ValueError(f"{len(languages)} languages for {B} texts")
+    if B == 0:
+        return []
+    talker = model.talker
+    weight = talker.get_input_embeddings().weight
+    device = weight.device
+    dtype = compute_dtype(model) if dtype is None else dtype
+    input_ids = [torch.tensor([list(ids)], dtype=torch.long, device=device) for ids in text_ids]
+    prompt = {
+        "ref_spk_embedding": [e.detach().to(device=device, dtype=dtype) for e in speaker_embeddings],
+        "x_vector_only_mode": [True] * B,
+        "icl_mode": [False] * B,
+        "ref_code": None,
+    }
+    # The official code casts the embedding to `talker.dtype`; where that is not the dtype the
+    # weights compute in, autocast brings every input back to the weights' dtype.
+    mixed = dtype != talker.dtype and dtype in (torch.bfloat16, torch.float16)
+    autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
+    with torch.no_grad(), _seeded(seed, device), autocast:
+        codes, _ = model.generate(
+            input_ids=input_ids,
+            voice_clone_prompt=prompt,
+            languages=list(languages),
+            non_streaming_mode=True,
+            max_new_tokens=int(max_new_tokens),
+            do_sample=do_sample,
+            **generate_kwargs,
+        )
+    return [c.detach().to("cpu", torch.long) for c in codes]
+
+
+def decode_codes(speech_tokenizer, codes_list: Sequence[Tensor]) -> list[np.ndarray]:
+    """Waveforms (float32, 24 kHz) for codes (T, G) with the 12 Hz speech tokenizer; an empty
+    code sequence gives an empty waveform."""
+    wavs: list[np.ndarray] = [np.zeros(0, dtype=np.float32) for _ in codes_list]
+    keep = [i for i, c in enumerate(codes_list) if c.shape[0] > 0]
+    if keep:
+        decoded, sr = speech_tokenizer.decode([{"audio_codes": codes_list[i]} for i in keep])
+        if int(sr) != SAMPLE_RATE:
+            raise ValueError(f"speech tokenizer decodes at {sr} Hz, expected {SAMPLE_RATE}")
+        for i, wav in zip(keep, decoded):
+            wavs[i] = np.asarray(wav, dtype=np.float32).reshape(-1)
+    return wavs
+
+
+GENERATE_OPTIONS = (
+    "max_new_tokens",
+    "do_sample",
+    "top_k",
+    "top_p",
+    "temperature",
+    "subtalker_dosample",
+    "subtalker_top_k",
+    "subtalker_top_p",
+    "subtalker_temperature",
+    "repetition_penalty",
+)
+
+
+def generation_defaults(pretrained_dir) -> dict[str, Any]:
+    """The sampling settings of a pretrained directory's ``generation_config.json``, as the official
+    `Qwen3TTSModel` applies them (only the options ``generate`` takes)."""
+    import json
+    from pathlib import Path
+
+    path = Path(pretrained_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: config[k] for k in GENERATE_OPTIONS if k in config}
