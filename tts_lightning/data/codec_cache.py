@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
 from tts_lightning.data.validation import AcceptedClip
+from tts_lightning.files import atomic_write, atomic_write_json, sha256_file
 from tts_lightning.model.pretrained import PretrainedInfo, load_speech_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,41 +46,6 @@ MANIFEST_CODES_DIR = "manifest"
 _ID_LENGTH = 16
 
 Progress = Callable[[int, int], None]  # (clips done, clips to do)
-
-
-# -- small file utilities (shared by the data side) ----------------------------------------------
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[object], None], *, binary: bool = True) -> Path:
-    """Write ``path`` through ``write(fileobj)`` into a temporary file beside it, then rename it into
-    place, so a reader (or a crash) never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            write(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_json(path: str | os.PathLike, data: object) -> Path:
-    def _write(fh) -> None:
-        json.dump(data, fh, indent=2, ensure_ascii=False, sort_keys=False)
-        fh.write("\n")
-
-    return atomic_write(path, _write, binary=False)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.PathLike | None = None) -> str:

@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 
 from tts_lightning.data.batching import LengthBucketBatchSampler
-from tts_lightning.data.codec_cache import CodecCache, atomic_write_json
+from tts_lightning.data.codec_cache import CodecCache
+from tts_lightning.files import atomic_write_json
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
 from tts_lightning.data.speakers import (
@@ -551,6 +552,18 @@ class SpeakerClipsDataModule(LightningDataModule):
             )
         return world, rank
 
+    def _sampler(self, dataset: SpeakerClipsDataset, *, shuffle: bool) -> LengthBucketBatchSampler:
+        world, rank = self._replicas()
+        return LengthBucketBatchSampler(
+            dataset.lengths(),
+            max_frames=self.hparams.max_frames_per_batch,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            seed=self.hparams.seed,
+            num_replicas=world,
+            rank=rank,
+        )
+
     def _loader(self, dataset: SpeakerClipsDataset, sampler: LengthBucketBatchSampler) -> DataLoader:
         workers = int(self.hparams.num_workers)
         return _ResumableDataLoader(
@@ -567,16 +580,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         assert self.train_dataset is not None
         if len(self.train_dataset) == 0:
             raise RuntimeError("no training clips (all clips went to validation?)")
-        world, rank = self._replicas()
-        sampler = LengthBucketBatchSampler(
-            self.train_dataset.lengths(),
-            max_frames=self.hparams.max_frames_per_batch,
-            batch_size=self.hparams.batch_size,
-            shuffle=True,
-            seed=self.hparams.seed,
-            num_replicas=world,
-            rank=rank,
-        )
+        sampler = self._sampler(self.train_dataset, shuffle=True)
         if self.trainer is not None:
             sampler.set_epoch(int(self.trainer.current_epoch))
         if self._pending_sampler_state is not None:
@@ -590,16 +594,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         assert self.val_dataset is not None
         if len(self.val_dataset) == 0:
             return []  # no validation set: Lightning skips validation
-        world, rank = self._replicas()
-        sampler = LengthBucketBatchSampler(
-            self.val_dataset.lengths(),
-            max_frames=self.hparams.max_frames_per_batch,
-            batch_size=self.hparams.batch_size,
-            shuffle=False,
-            seed=self.hparams.seed,
-            num_replicas=world,
-            rank=rank,
-        )
+        sampler = self._sampler(self.val_dataset, shuffle=False)
         return self._loader(self.val_dataset, sampler)
 
     def predict_dataloader(self) -> DataLoader:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +11,7 @@ from pathlib import Path
 
 from tts_lightning.data.audio import AudioReadError, probe_audio, read_audio
 from tts_lightning.data.manifest import ClipRecord, Rejection
+from tts_lightning.files import atomic_write_json
 
 
 @dataclass
@@ -58,19 +56,8 @@ class ValidationReport:
         }
 
     def write_json(self, path: str | Path) -> Path:
-        """Write the report atomically (temp file + os.replace) so a crash never leaves half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(self.to_dict(), fh, indent=2, ensure_ascii=False)
-                fh.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        """Write the report atomically, so a crash never leaves half a file."""
+        return atomic_write_json(path, self.to_dict())
 
     def summary(self) -> str:
         speakers = self.speaker_counts()

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from tts_lightning.files import staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, load_training_checkpoint
 from tts_lightning.model.pretrained import check_pretrained
 
@@ -96,9 +96,7 @@ def export_custom_voice(
 
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         for item in info.path.iterdir():
             if item.name in WEIGHT_FILES or item.name in ("config.json", "tiny_model.json") or item.name.startswith("model-"):
                 continue
@@ -111,7 +109,4 @@ def export_custom_voice(
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -150,7 +150,7 @@ def build_sequence(
         + [ids.tts_pad]
     )
     # tts_bos sits on codec_pad; content and tts_eos on codec_pad; tts_pad on codec_bos.
-    assert len(text) == len(codec0) - 0, (len(text), len(codec0))
+    assert len(text) == len(codec0), (len(text), len(codec0))
     L = len(text)
     T = codes.shape[0]
 

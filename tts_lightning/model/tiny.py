@@ -14,11 +14,12 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from tts_lightning.files import staged_directory
 
 TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
 
@@ -429,9 +430,7 @@ def build_tiny_pretrained(
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not a tiny model directory; refusing to overwrite")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         _build(tmp, seed, model_type, codebook_size)
         _write_json(tmp / "tiny_model.json", key)
         if out.exists():
@@ -442,8 +441,4 @@ def build_tiny_pretrained(
             # Another process built it first: theirs is identical for the same arguments.
             if not (out / "tiny_model.json").is_file():
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
