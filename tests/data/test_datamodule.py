@@ -205,3 +205,21 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     flat.write_text(f"data:\n  pretrained: {tiny_dir}\n  train_manifest: {prepared}\n  speakers: [nobody]\n")
     assert prepare_command(["--config", str(flat), "--cache_dir", str(tmp_path / "c")]) == 1
     assert "'nobody'" in capsys.readouterr().err
+
+
+def test_prepare_command_takes_the_manifest_encoding(tiny_dir, tmp_path, capsys):
+    root = tmp_path / "lj"
+    (root / "wavs").mkdir(parents=True)
+    rows = []
+    for i, clip in enumerate(["alice/alice_000", "alice/alice_001", "bob/bob_000"]):
+        wave, sr = sf.read(demo_dir() / "clips" / f"{clip}.flac", dtype="float32")
+        sf.write(root / "wavs" / f"c{i}.wav", wave, sr)
+        rows.append(f"c{i}|{(demo_dir() / 'clips' / f'{clip}.txt').read_text().strip()} Café.")
+    (root / "metadata.csv").write_bytes(("\n".join(rows) + "\n").encode("latin-1"))
+    flags = ["--pretrained", str(tiny_dir), "--train_manifest", str(root), "--cache_dir", str(tmp_path / "c")]
+
+    assert prepare_command(flags) == 1
+    err = capsys.readouterr().err
+    assert f"{root / 'metadata.csv'}: line 1" in err and "byte 0xe9" in err and "manifest_encoding" in err
+    assert prepare_command(flags + ["--data.manifest_encoding", "latin-1"]) == 0
+    assert "accepted 3 clips" in capsys.readouterr().out

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_lightning.data.manifest import ClipRecord, load_manifest
+from tts_lightning.data.manifest import ClipRecord, ManifestEncodingError, load_manifest
 
 
 def _jsonl(path: Path, lines: list[str]) -> Path:
@@ -135,3 +135,55 @@ def test_missing_and_unknown_manifests_name_the_path(tmp_path: Path) -> None:
     odd.write_text("a: 1")
     with pytest.raises(ValueError, match="list.yaml"):
         load_manifest(odd)
+
+
+def test_latin1_metadata_names_file_line_and_byte_and_loads_with_the_encoding(tmp_path: Path) -> None:
+    root = tmp_path / "LJ"
+    root.mkdir()
+    (root / "metadata.csv").write_bytes("LJ001|Plain ASCII.\nLJ002|Un café crème.\n".encode("latin-1"))
+    with pytest.raises(ManifestEncodingError) as caught:
+        load_manifest(root)
+    message = str(caught.value)
+    offset = len("LJ001|Plain ASCII.\nLJ002|Un caf")
+    assert str(root / "metadata.csv") in message
+    assert "line 2" in message and f"byte 0xe9 at byte offset {offset}" in message
+    assert "UTF-8" in message and "manifest_encoding" in message
+    assert (caught.value.line, caught.value.byte) == (2, 0xE9)
+
+    result = load_manifest(root, encoding="latin-1")
+    assert [r.text for r in result.records] == ["Plain ASCII.", "Un café crème."]
+    with pytest.raises(ValueError, match="unknown manifest encoding 'klingon'"):
+        load_manifest(root, encoding="klingon")
+
+
+def test_jsonl_and_transcripts_in_another_encoding(tmp_path: Path, write_tone) -> None:
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_bytes(
+        (json.dumps({"audio": "a.wav", "text": "ok"}) + "\n" + '{"audio": "b.wav", "text": "Grüße"}\n').encode("cp1252")
+    )
+    with pytest.raises(ManifestEncodingError, match=r"train\.jsonl: line 2 .*0xfc"):
+        load_manifest(manifest)
+    assert load_manifest(manifest, encoding="cp1252").records[1].text == "Grüße"
+
+    # A folder: a transcript that is not UTF-8 is a rejection naming its file, line and byte.
+    write_tone(tmp_path / "clips" / "x.wav")
+    (tmp_path / "clips" / "x.txt").write_bytes("Ça va.".encode("latin-1"))
+    (rejection,) = load_manifest(tmp_path / "clips").rejected
+    assert rejection.reason == "malformed_entry" and "x.txt: line 1" in rejection.detail and "0xc7" in rejection.detail
+    assert load_manifest(tmp_path / "clips", encoding="latin-1").records[0].text == "Ça va."
+
+
+def test_ljspeech_quoted_fields_and_stray_columns(tmp_path: Path) -> None:
+    csv_path = tmp_path / "metadata.csv"
+    csv_path.write_text(
+        'LJ001|"A pipe | inside quotes"|"Normalised | too"\n'
+        "LJ002|text|normalized|\n"
+        'LJ003|"broken"quote|x|y\n',
+        encoding="utf-8",
+    )
+    result = load_manifest(csv_path)
+    assert [r.text for r in result.records] == ["Normalised | too"]
+    stray, broken = result.rejected
+    assert stray.source == "metadata.csv:2" and "stray '|' at the end" in stray.detail
+    assert str(csv_path) + ":2" in stray.detail
+    assert broken.source == "metadata.csv:3" and "metadata.csv:3" in broken.detail

@@ -8,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
+import torchaudio
 
+from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import ClipRecord, load_manifest
 from tts_lightning.data.validation import ValidationConfig, validate_clips
 
@@ -125,3 +128,72 @@ def test_raise_if_empty_names_manifest_and_top_reasons(bad_dataset: Path, tmp_pa
         report.raise_if_empty(bad_dataset)
     manifest = load_manifest(bad_dataset)
     validate_clips(manifest.records, CONFIG).raise_if_empty(bad_dataset)  # has accepted clips: no error
+
+
+def _demo_records() -> list[ClipRecord]:
+    return load_manifest(demo_dir() / "train.jsonl").records
+
+
+def _write_variant(src: Path, dst: Path, *, gain_db: float = 0.0, speed: float = 1.0) -> Path:
+    """A demo clip made louder (then clamped to full scale, as a clipping recorder does) or played
+    faster/slower (resampled: `speed` 1.3 = 30% shorter), written as 16-bit wav."""
+    wave, sr = sf.read(src, dtype="float32")
+    x = torch.from_numpy(wave)
+    if speed != 1.0:
+        x = torchaudio.functional.resample(x, orig_freq=round(speed * 10), new_freq=10)
+    x = (x * 10 ** (gain_db / 20)).clamp(-1.0, 1.0)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(dst, x.numpy(), sr, subtype="PCM_16")
+    return dst
+
+
+def test_clipped_clip_is_rejected_or_flagged_and_normal_gain_is_accepted(tmp_path: Path) -> None:
+    src = demo_dir() / "clips" / "alice" / "alice_001.flac"
+    text = "She planted roses along the garden wall."
+    normal = ClipRecord(_write_variant(src, tmp_path / "normal.wav"), text, "alice", "m:1")
+    loud = ClipRecord(_write_variant(src, tmp_path / "loud.wav", gain_db=30.0), text, "alice", "m:2")
+
+    report = validate_clips([normal, loud])
+    assert [c.record.source for c in report.accepted] == ["m:1"] and report.warnings == []
+    (rejection,) = report.rejected
+    assert rejection.reason == "clipped" and rejection.source == "m:2" and "% of samples" in rejection.detail
+
+    flagged = validate_clips([normal, loud], ValidationConfig(clipped_action="flag"))
+    assert [c.record.source for c in flagged.accepted] == ["m:1", "m:2"] and flagged.rejected == []
+    assert [(w.source, w.reason) for w in flagged.warnings] == [("m:2", "clipped")]
+    saved = json.loads(flagged.write_json(tmp_path / "report.json").read_text())
+    assert saved["flagged"] == 1 and saved["warning_reasons"] == {"clipped": 1}
+    assert saved["warnings"][0]["source"] == "m:2" and saved["rejections"] == []
+    assert "warnings: 1 accepted clip(s) flagged" in flagged.summary() and "clipped: 1" in flagged.summary()
+
+
+def test_speaking_rate_rejects_a_mismatched_transcript_and_accepts_natural_speeds(tmp_path: Path) -> None:
+    records = _demo_records()
+    clips = demo_dir() / "clips" / "alice"
+    five_sentences = " ".join(r.text for r in records[1:6])
+    extra = [
+        # The shortest alice clip (2.1 s) with five sentences of text.
+        ClipRecord(_write_variant(clips / "alice_000.flac", tmp_path / "short.wav"), five_sentences, "alice", "x:1"),
+        ClipRecord(_write_variant(clips / "alice_003.flac", tmp_path / "slow.wav", speed=0.8), records[3].text,
+                   "alice", "x:2"),
+        ClipRecord(_write_variant(clips / "alice_004.flac", tmp_path / "fast.wav", speed=1.3), records[4].text,
+                   "alice", "x:3"),
+    ]
+    report = validate_clips(records + extra)
+    assert len(report.accepted) == 24 + 2 and {c.record.source for c in report.accepted} >= {"x:2", "x:3"}
+    (rejection,) = report.rejected
+    assert (rejection.source, rejection.reason) == ("x:1", "transcript_mismatch")
+    rate = float(rejection.detail.split(" chars/s")[0])
+    assert 50 < rate < 150  # ~180 characters in ~1.8 s of speech
+    assert "speaker 'alice' median 1" in rejection.detail  # about 15 chars/s
+
+    flagged = validate_clips(records + extra, ValidationConfig(mismatch_action="flag"))
+    assert len(flagged.accepted) == 27 and flagged.rejected == []
+    assert [(w.source, w.reason) for w in flagged.warnings] == [("x:1", "transcript_mismatch")]
+
+    # A tighter threshold catches the speed changes; a speaker with too few clips for statistics
+    # still has the absolute limits.
+    strict = validate_clips(records + extra[1:], ValidationConfig(max_rate_zscore=1.0))
+    assert {r.source for r in strict.rejected} >= {"x:2", "x:3"}
+    alone = validate_clips([ClipRecord(extra[0].audio, five_sentences, "carol", "x:1")])
+    assert alone.rejected[0].reason == "transcript_mismatch" and "above the maximum" in alone.rejected[0].detail

@@ -17,6 +17,7 @@ Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_c
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ from tts_lightning.model.sequence import SpecialIds, tokenize_text
 logger = logging.getLogger(__name__)
 
 PREPARED_VERSION = 1
-VALIDATION_MEMO_VERSION = 1
+VALIDATION_MEMO_VERSION = 2
 CACHE_DIR_NAME = ".tts_lightning_cache"
 
 
@@ -109,6 +110,7 @@ def validate_with_memo(manifest: ManifestResult, config: ValidationConfig, memo_
                     accepted=[AcceptedClip(manifest.records[i], d, c) for i, d, c in memo["accepted"]],
                     rejected=[Rejection(**r) for r in memo["rejected"]],
                     config=config,
+                    warnings=[Rejection(**w) for w in memo["warnings"]],
                 )
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             pass  # unreadable memo: validate again
@@ -120,6 +122,7 @@ def validate_with_memo(manifest: ManifestResult, config: ValidationConfig, memo_
             "fingerprint": fingerprint,
             "accepted": [[position[id(c.record)], c.duration, c.content_hash] for c in report.accepted],
             "rejected": [asdict(r) for r in report.rejected],
+            "warnings": [asdict(w) for w in report.warnings],
         },
     )
     return report
@@ -172,6 +175,15 @@ class SpeakerClipsDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         seed: the train/val split and the batch order.
         min_duration, max_duration: accepted clip durations, in seconds.
+        manifest_encoding: text encoding of the manifests and transcript files (default UTF-8),
+            e.g. "latin-1" or "cp1252".
+        max_clipped_fraction: share of a clip's source samples at full scale (|x| >= 0.999)
+            above which it counts as ``clipped``.
+        clipped_action: "reject" clipped clips, or "flag" them (trained on, listed as warnings).
+        max_rate_zscore: how far (robust z-score of the log rate, median/MAD) a clip's characters
+            per second of speech may lie from its speaker's before it counts as
+            ``transcript_mismatch``; rates outside 1-35 characters per second always do.
+        mismatch_action: "reject" mismatched clips, or "flag" them.
         normalize: None, "peak" or "rms" loudness normalisation before encoding.
         trim_silence: trim leading/trailing silence before encoding.
         num_reference_clips: clips averaged for a speaker's embedding when its records give no
@@ -197,6 +209,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         seed: int = 0,
         min_duration: float = 0.5,
         max_duration: float = 30.0,
+        manifest_encoding: Optional[str] = None,
+        max_clipped_fraction: float = 0.001,
+        clipped_action: Literal["reject", "flag"] = "reject",
+        max_rate_zscore: float = 3.5,
+        mismatch_action: Literal["reject", "flag"] = "reject",
         normalize: Optional[Literal["peak", "rms"]] = None,
         trim_silence: bool = False,
         num_reference_clips: int = 3,
@@ -215,6 +232,14 @@ class SpeakerClipsDataModule(LightningDataModule):
             raise ValueError(f"normalize must be None, 'peak' or 'rms', got {normalize!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self._validation_config(  # raises on a bad value now rather than in prepare
+            min_duration, max_duration, max_clipped_fraction, clipped_action, max_rate_zscore, mismatch_action
+        )
+        if manifest_encoding is not None:
+            try:
+                codecs.lookup(manifest_encoding)
+            except LookupError:
+                raise ValueError(f"unknown manifest_encoding {manifest_encoding!r}") from None
         if speakers is not None:
             speakers = list(speakers)
             dupes = sorted(s for s, n in Counter(speakers).items() if n > 1)
@@ -285,6 +310,11 @@ class SpeakerClipsDataModule(LightningDataModule):
             "language": h.language,
             "min_duration": h.min_duration,
             "max_duration": h.max_duration,
+            "manifest_encoding": h.manifest_encoding,
+            "max_clipped_fraction": h.max_clipped_fraction,
+            "clipped_action": h.clipped_action,
+            "max_rate_zscore": h.max_rate_zscore,
+            "mismatch_action": h.mismatch_action,
             "normalize": h.normalize,
             "trim_silence": h.trim_silence,
             "num_reference_clips": h.num_reference_clips,
@@ -304,7 +334,8 @@ class SpeakerClipsDataModule(LightningDataModule):
         if self.requested_speakers_arg is not None:
             return list(self.requested_speakers_arg)
         if self._manifest_speakers is None:
-            records = load_manifest(self.hparams.train_manifest, self.hparams.default_speaker).records
+            h = self.hparams
+            records = load_manifest(h.train_manifest, h.default_speaker, h.manifest_encoding).records
             self._manifest_speakers = sorted({r.speaker for r in records})
         return list(self._manifest_speakers)
 
@@ -315,6 +346,19 @@ class SpeakerClipsDataModule(LightningDataModule):
         return self._speaker_table.clone()
 
     # -- prepare (one process) -------------------------------------------------------------------
+
+    @staticmethod
+    def _validation_config(
+        min_duration, max_duration, max_clipped_fraction, clipped_action, max_rate_zscore, mismatch_action
+    ) -> ValidationConfig:
+        return ValidationConfig(
+            min_duration=min_duration,
+            max_duration=max_duration,
+            max_clipped_fraction=max_clipped_fraction,
+            clipped_action=clipped_action,
+            max_rate_zscore=max_rate_zscore,
+            mismatch_action=mismatch_action,
+        )
 
     def prepare_data(self) -> None:
         self.prepare()
@@ -329,18 +373,25 @@ class SpeakerClipsDataModule(LightningDataModule):
         info = self.pretrained_info
         cache_dir = self.cache_dir
         ids = SpecialIds.from_config(info.config)
-        config = ValidationConfig(min_duration=h.min_duration, max_duration=h.max_duration)
+        config = self._validation_config(
+            h.min_duration, h.max_duration, h.max_clipped_fraction, h.clipped_action, h.max_rate_zscore,
+            h.mismatch_action,
+        )
         cache = CodecCache(
             cache_dir, info, normalize=h.normalize, trim_silence=h.trim_silence, device=h.prepare_device
         )
 
         train = validate_with_memo(
-            load_manifest(h.train_manifest, h.default_speaker), config, self._validation_memo(h.train_manifest)
+            load_manifest(h.train_manifest, h.default_speaker, h.manifest_encoding),
+            config,
+            self._validation_memo(h.train_manifest),
         )
         val: ValidationReport | None = None
         if h.val_manifest is not None:
             val = validate_with_memo(
-                load_manifest(h.val_manifest, h.default_speaker), config, self._validation_memo(h.val_manifest)
+                load_manifest(h.val_manifest, h.default_speaker, h.manifest_encoding),
+                config,
+                self._validation_memo(h.val_manifest),
             )
             # The same audio in both sets would make the validation loss meaningless.
             in_train = {c.content_hash: c.record.source for c in train.accepted}
@@ -362,6 +413,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             accepted=train.accepted + (val.accepted if val else []),
             rejected=train.rejected + (val.rejected if val else []),
             config=config,
+            warnings=train.warnings + (val.warnings if val else []),
         )
         report.write_json(self.report_path)
         rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
@@ -417,6 +469,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             if done == todo or done * 10 // todo != max(0, done - h.encode_batch_size) * 10 // todo:
                 rank_zero_info(f"encoded {done}/{todo} clips")
 
+        cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
         encoded = cache.encode_missing(clips, batch_size=h.encode_batch_size, progress=progress)
         cache.release()
         rank_zero_info(f"codec cache: {encoded} clip(s) encoded, {total - encoded} already cached ({cache_dir})")

@@ -6,6 +6,8 @@ manifest location ("train.jsonl:12") so the user can fix it later.
 
 from __future__ import annotations
 
+import codecs
+import csv
 import json
 import os
 from dataclasses import dataclass
@@ -27,8 +29,49 @@ REJECTION_REASONS: frozenset[str] = frozenset(
         "too_long",
         "silent",
         "duplicate",
+        "clipped",
+        "transcript_mismatch",
     }
 )
+
+DEFAULT_ENCODING = "utf-8"
+
+
+class ManifestEncodingError(ValueError):
+    """A manifest (or transcript) file is not text in the expected encoding."""
+
+    def __init__(self, path: Path, encoding: str, line: int, column: int, offset: int, byte: int) -> None:
+        self.path, self.encoding, self.line, self.column, self.offset, self.byte = path, encoding, line, column, offset, byte
+        super().__init__(
+            f"{path}: line {line} is not valid {encoding}: byte 0x{byte:02x} at byte offset {offset} "
+            f"(byte {column} of the line). Re-save the file as UTF-8, or pass its encoding "
+            f"(manifest_encoding, e.g. --data.manifest_encoding latin-1)"
+        )
+
+
+def read_text(path: str | os.PathLike, encoding: str | None = None) -> str:
+    """A text file decoded with ``encoding`` (default UTF-8; a UTF-8 byte-order mark is dropped).
+
+    Raises `ManifestEncodingError` naming the file, the line and the offending byte when the
+    bytes are not valid in that encoding, and ValueError for an unknown encoding name.
+    """
+    path = Path(path)
+    encoding = encoding or DEFAULT_ENCODING
+    try:
+        name = codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"unknown manifest encoding {encoding!r} (for {path})") from None
+    data = path.read_bytes()
+    if name == "utf-8":
+        name = "utf-8-sig"
+    try:
+        return data.decode(name)
+    except UnicodeDecodeError as exc:
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        raise ManifestEncodingError(
+            path, encoding, data.count(b"\n", 0, exc.start) + 1, exc.start - line_start + 1, exc.start,
+            data[exc.start],
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -91,99 +134,132 @@ def _to_codes(value: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(frames)
 
 
-def read_jsonl(path: Path, default_speaker: str = "speaker") -> ManifestResult:
+def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
     """Read a Qwen3-TTS style JSONL: one object per line with audio, text, ref_audio (+ optional keys)."""
     path = Path(path)
     base = path.parent
     records: list[ClipRecord] = []
     rejected: list[Rejection] = []
-    with path.open("r", encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue  # blank lines (e.g. trailing newline) are not entries
-            source = f"{path.name}:{lineno}"
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as exc:
-                rejected.append(Rejection(source, None, "malformed_entry", f"invalid JSON: {exc.msg}"))
-                continue
-            if not isinstance(entry, dict):
-                rejected.append(Rejection(source, None, "malformed_entry", "line is not a JSON object"))
-                continue
-            audio = entry.get("audio")
-            if not isinstance(audio, str) or not audio.strip():
-                rejected.append(Rejection(source, None, "malformed_entry", "missing or non-string 'audio' key"))
-                continue
-            text = entry.get("text")
-            if not isinstance(text, str):
-                rejected.append(Rejection(source, audio, "malformed_entry", "missing or non-string 'text' key"))
-                continue
-            ref = entry.get("ref_audio")
-            if ref is not None and not isinstance(ref, str):
-                rejected.append(Rejection(source, audio, "malformed_entry", "'ref_audio' must be a string path"))
-                continue
-            speaker = entry.get("speaker", default_speaker)
-            language = entry.get("language", "auto")
-            if not isinstance(speaker, str) or not speaker.strip() or not isinstance(language, str):
-                rejected.append(
-                    Rejection(source, audio, "malformed_entry", "'speaker' and 'language' must be non-empty strings")
-                )
-                continue
-            codes = None
-            if entry.get("audio_codes") is not None:
-                try:
-                    codes = _to_codes(entry["audio_codes"])
-                except ValueError as exc:
-                    rejected.append(Rejection(source, audio, "malformed_entry", str(exc)))
-                    continue
-            records.append(
-                ClipRecord(
-                    audio=_resolve(base, audio),
-                    text=text,
-                    speaker=speaker.strip(),
-                    source=source,
-                    ref_audio=_resolve(base, ref) if ref and ref.strip() else None,
-                    language=language or "auto",
-                    audio_codes=codes,
-                )
+    for lineno, line in enumerate(_lines(read_text(path, encoding)), start=1):
+        if not line.strip():
+            continue  # blank lines (e.g. trailing newline) are not entries
+        source = f"{path.name}:{lineno}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            rejected.append(
+                Rejection(source, None, "malformed_entry", f"invalid JSON: {exc.msg} (column {exc.colno})")
             )
+            continue
+        if not isinstance(entry, dict):
+            rejected.append(Rejection(source, None, "malformed_entry", "line is not a JSON object"))
+            continue
+        audio = entry.get("audio")
+        if not isinstance(audio, str) or not audio.strip():
+            rejected.append(Rejection(source, None, "malformed_entry", "missing or non-string 'audio' key"))
+            continue
+        text = entry.get("text")
+        if not isinstance(text, str):
+            rejected.append(Rejection(source, audio, "malformed_entry", "missing or non-string 'text' key"))
+            continue
+        ref = entry.get("ref_audio")
+        if ref is not None and not isinstance(ref, str):
+            rejected.append(Rejection(source, audio, "malformed_entry", "'ref_audio' must be a string path"))
+            continue
+        speaker = entry.get("speaker", default_speaker)
+        language = entry.get("language", "auto")
+        if not isinstance(speaker, str) or not speaker.strip() or not isinstance(language, str):
+            rejected.append(
+                Rejection(source, audio, "malformed_entry", "'speaker' and 'language' must be non-empty strings")
+            )
+            continue
+        codes = None
+        if entry.get("audio_codes") is not None:
+            try:
+                codes = _to_codes(entry["audio_codes"])
+            except ValueError as exc:
+                rejected.append(Rejection(source, audio, "malformed_entry", str(exc)))
+                continue
+        records.append(
+            ClipRecord(
+                audio=_resolve(base, audio),
+                text=text,
+                speaker=speaker.strip(),
+                source=source,
+                ref_audio=_resolve(base, ref) if ref and ref.strip() else None,
+                language=language or "auto",
+                audio_codes=codes,
+            )
+        )
     return ManifestResult(records, rejected)
 
 
-def read_ljspeech_csv(path: Path, default_speaker: str = "speaker") -> ManifestResult:
+def _lines(text: str) -> list[str]:
+    """Lines as numbered by an editor (\\n, \\r\\n); separators inside JSON strings stay put."""
+    return text.replace("\r\n", "\n").split("\n")
+
+
+def _split_ljspeech_row(line: str) -> list[str]:
+    """``id|text[|normalized]`` -> its columns.
+
+    A plain split first: LJSpeech text holds unbalanced quotes that CSV quoting would swallow. When
+    that gives too many columns and the row has CSV-quoted fields (``"a | b"``), the quoted reading
+    is used if it yields a valid row.
+    """
+    cols = line.split("|")
+    if len(cols) > 3 and '"' in line:
+        quoted = next(csv.reader([line], delimiter="|", quotechar='"', strict=True), [])
+        if len(quoted) in (2, 3):
+            return quoted
+    return cols
+
+
+def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
     """Read an LJSpeech metadata.csv: `id|text` or `id|text|normalized`, audio in `wavs/<id>.wav`."""
     path = Path(path)
     wavs = path.parent / "wavs"
     records: list[ClipRecord] = []
     rejected: list[Rejection] = []
-    with path.open("r", encoding="utf-8-sig") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            source = f"{path.name}:{lineno}"
-            # Plain split, not the csv module: LJSpeech text contains unbalanced quotes.
-            cols = line.split("|")
-            if len(cols) not in (2, 3):
-                rejected.append(
-                    Rejection(
-                        source, None, "malformed_entry", f"expected 2 or 3 '|'-separated columns, got {len(cols)}"
-                    )
-                )
-                continue
-            clip_id = cols[0].strip()
-            if not clip_id:
-                rejected.append(Rejection(source, None, "malformed_entry", "empty clip id in first column"))
-                continue
-            text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
-            audio = wavs / f"{clip_id}.wav"
-            records.append(
-                ClipRecord(audio=Path(_normpath(audio)), text=text.strip(), speaker=default_speaker, source=source)
+    for lineno, line in enumerate(_lines(read_text(path, encoding)), start=1):
+        if not line.strip():
+            continue
+        source = f"{path.name}:{lineno}"
+        try:
+            cols = _split_ljspeech_row(line)
+        except csv.Error as exc:
+            rejected.append(Rejection(source, None, "malformed_entry", f"{path}:{lineno}: bad CSV quoting ({exc})"))
+            continue
+        if len(cols) not in (2, 3):
+            hint = (
+                "a stray '|' at the end of the line?"
+                if len(cols) > 3 and not cols[-1].strip()
+                else "a '|' inside the text? quote that field (\"...\") or remove the '|'"
+                if len(cols) > 3
+                else "no '|' separator on this line"
             )
+            rejected.append(
+                Rejection(
+                    source,
+                    None,
+                    "malformed_entry",
+                    f"{path}:{lineno}: expected 2 or 3 '|'-separated columns (id|text or id|text|normalized), "
+                    f"got {len(cols)}: {hint}",
+                )
+            )
+            continue
+        clip_id = cols[0].strip()
+        if not clip_id:
+            rejected.append(Rejection(source, None, "malformed_entry", f"{path}:{lineno}: empty clip id in first column"))
+            continue
+        text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
+        audio = wavs / f"{clip_id}.wav"
+        records.append(
+            ClipRecord(audio=Path(_normpath(audio)), text=text.strip(), speaker=default_speaker, source=source)
+        )
     return ManifestResult(records, rejected)
 
 
-def read_folder(root: Path, default_speaker: str = "speaker") -> ManifestResult:
+def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
     """Read a folder of audio files with same-named .txt transcripts; sub-folder name = speaker."""
     root = Path(root)
     records: list[ClipRecord] = []
@@ -207,16 +283,22 @@ def read_folder(root: Path, default_speaker: str = "speaker") -> ManifestResult:
             )
             continue
         try:
-            text = txt.read_text(encoding="utf-8-sig").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            rejected.append(Rejection(source, str(audio), "malformed_entry", f"cannot read {txt.name}: {exc}"))
+            text = read_text(txt, encoding).strip()
+        except ManifestEncodingError as exc:
+            rejected.append(Rejection(source, str(audio), "malformed_entry", str(exc)))
+            continue
+        except OSError as exc:
+            rejected.append(Rejection(source, str(audio), "malformed_entry", f"cannot read {txt}: {exc}"))
             continue
         records.append(ClipRecord(audio=Path(_normpath(audio)), text=text, speaker=speaker, source=source))
     return ManifestResult(records, rejected)
 
 
-def load_manifest(path: str | Path, default_speaker: str = "speaker") -> ManifestResult:
+def load_manifest(path: str | Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
     """Read a manifest, choosing the reader from the path.
+
+    ``encoding`` is the text encoding of the manifest and transcript files (default UTF-8);
+    bytes that are not valid in it raise `ManifestEncodingError` naming the file, line and byte.
 
     - `*.jsonl` file: Qwen3-TTS JSONL.
     - `*.csv` file (e.g. `metadata.csv`): LJSpeech pipe-separated rows.
@@ -228,13 +310,13 @@ def load_manifest(path: str | Path, default_speaker: str = "speaker") -> Manifes
         raise FileNotFoundError(f"manifest not found: {p}")
     if p.is_dir():
         if (p / "metadata.csv").is_file():
-            return read_ljspeech_csv(p / "metadata.csv", default_speaker)
-        return read_folder(p, default_speaker)
+            return read_ljspeech_csv(p / "metadata.csv", default_speaker, encoding)
+        return read_folder(p, default_speaker, encoding)
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
-        return read_jsonl(p, default_speaker)
+        return read_jsonl(p, default_speaker, encoding)
     if suffix == ".csv":
-        return read_ljspeech_csv(p, default_speaker)
+        return read_ljspeech_csv(p, default_speaker, encoding)
     raise ValueError(
         f"unknown manifest format for {p}: expected a .jsonl file, a metadata.csv/.csv file, or a folder of clips"
     )

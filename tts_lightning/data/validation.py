@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
+import statistics
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tts_lightning.data.audio import AudioReadError, probe_audio, read_audio
+import torch
+
+from tts_lightning.data.audio import AudioReadError, probe_audio, read_audio, trim_edge_silence
 from tts_lightning.data.manifest import ClipRecord, Rejection
 from tts_lightning.files import atomic_write_json
+
+
+ACTIONS = ("reject", "flag")
+# Robust spread floor for the speaking-rate check, in natural-log units: a speaker whose clips all
+# share one rate (a TTS voice, one read-aloud session) still tolerates ~10% natural variation.
+MIN_LOG_RATE_SPREAD = 0.1
+MIN_CLIPS_FOR_RATE_STATS = 5  # fewer clips of a speaker: only the absolute limits apply
 
 
 @dataclass
@@ -19,6 +29,30 @@ class ValidationConfig:
     min_duration: float = 0.5  # seconds
     max_duration: float = 30.0  # seconds
     silence_threshold_db: float = -50.0  # clip RMS below this dBFS counts as silent
+    # Clipping, measured on the decoded source samples (before any normalisation).
+    clip_level: float = 0.999  # |sample| at or above this counts as at full scale
+    max_clipped_fraction: float = 0.001  # more samples than this share at full scale: `clipped`
+    clipped_action: str = "reject"  # "reject", or "flag" (kept, listed in the report's warnings)
+    # Transcript/audio alignment: characters (letters and digits) per second of speech, edge
+    # silence excluded, against the speaker's median (robust z-score of the log rate) and limits.
+    max_rate_zscore: float = 3.5
+    min_chars_per_second: float = 1.0
+    max_chars_per_second: float = 35.0
+    mismatch_action: str = "reject"  # "reject", or "flag"
+
+    def __post_init__(self) -> None:
+        for name in ("clipped_action", "mismatch_action"):
+            if getattr(self, name) not in ACTIONS:
+                raise ValueError(f"{name} must be one of {ACTIONS}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.max_clipped_fraction <= 1.0:
+            raise ValueError(f"max_clipped_fraction must be in [0, 1], got {self.max_clipped_fraction}")
+        if self.max_rate_zscore <= 0:
+            raise ValueError(f"max_rate_zscore must be positive, got {self.max_rate_zscore}")
+        if not 0.0 <= self.min_chars_per_second < self.max_chars_per_second:
+            raise ValueError(
+                f"need 0 <= min_chars_per_second < max_chars_per_second, got "
+                f"{self.min_chars_per_second} and {self.max_chars_per_second}"
+            )
 
 
 @dataclass(frozen=True)
@@ -30,9 +64,13 @@ class AcceptedClip:
 
 @dataclass
 class ValidationReport:
+    """Accepted clips, rejected entries, and warnings: problems of accepted clips that the
+    config says to flag rather than reject (same fields as a rejection)."""
+
     accepted: list[AcceptedClip] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
     config: ValidationConfig = field(default_factory=ValidationConfig)
+    warnings: list[Rejection] = field(default_factory=list)
 
     @property
     def total_duration(self) -> float:
@@ -44,15 +82,21 @@ class ValidationReport:
     def reason_counts(self) -> dict[str, int]:
         return dict(Counter(r.reason for r in self.rejected).most_common())
 
+    def warning_counts(self) -> dict[str, int]:
+        return dict(Counter(w.reason for w in self.warnings).most_common())
+
     def to_dict(self) -> dict:
         return {
             "accepted": len(self.accepted),
             "rejected": len(self.rejected),
+            "flagged": len(self.warnings),
             "total_accepted_seconds": round(self.total_duration, 3),
             "speakers": self.speaker_counts(),
             "rejection_reasons": self.reason_counts(),
+            "warning_reasons": self.warning_counts(),
             "config": asdict(self.config),
             "rejections": [asdict(r) for r in self.rejected],
+            "warnings": [asdict(w) for w in self.warnings],
         }
 
     def write_json(self, path: str | Path) -> Path:
@@ -66,6 +110,9 @@ class ValidationReport:
             f"from {len(speakers)} speaker(s); rejected {len(self.rejected)}"
         ]
         lines += [f"  {reason}: {n}" for reason, n in self.reason_counts().items()]
+        if self.warnings:
+            lines.append(f"warnings: {len(self.warnings)} accepted clip(s) flagged (trained on; see the report)")
+            lines += [f"  {reason}: {n}" for reason, n in self.warning_counts().items()]
         return "\n".join(lines)
 
     def raise_if_empty(self, manifest_path: str | Path) -> None:
@@ -90,6 +137,57 @@ def _rms_dbfs(samples) -> float:
     return 20.0 * math.log10(rms) if rms > 0 else float("-inf")
 
 
+def clipped_fraction(samples: torch.Tensor, level: float = 0.999) -> float:
+    """Share of samples (all channels) whose magnitude is at or above ``level`` of full scale."""
+    return float((samples.abs() >= level).double().mean())
+
+
+def count_characters(text: str) -> int:
+    """Letters and digits (any script): what a speaking rate counts; spaces and punctuation are not."""
+    return sum(ch.isalnum() for ch in text)
+
+
+def speech_seconds(samples: torch.Tensor, sample_rate: int) -> float:
+    """Duration without leading/trailing silence (`trim_edge_silence` on the mono mix)."""
+    mono = samples.mean(dim=0) if samples.dim() == 2 else samples
+    return trim_edge_silence(mono, sample_rate).shape[-1] / sample_rate
+
+
+def _check_speaking_rates(
+    measured: list[tuple[AcceptedClip, float]], config: ValidationConfig
+) -> dict[int, str]:
+    """{index into measured: detail} for clips whose characters per second of speech lie outside
+    the absolute limits or far (robust z-score of the log rate, median/MAD) from the speaker's."""
+    rates = [count_characters(c.record.text) / max(secs, 1e-3) for c, secs in measured]
+    by_speaker: dict[str, list[int]] = defaultdict(list)
+    for i, (c, _) in enumerate(measured):
+        by_speaker[c.record.speaker].append(i)
+    problems: dict[int, str] = {}
+    for speaker, members in by_speaker.items():
+        logs = [math.log(max(rates[i], 1e-6)) for i in members]
+        median = statistics.median(logs)
+        mad = statistics.median(abs(x - median) for x in logs)
+        spread = max(mad / 0.6745, MIN_LOG_RATE_SPREAD)  # MAD -> standard deviation of a normal
+        use_stats = len(members) >= MIN_CLIPS_FOR_RATE_STATS
+        for i, x in zip(members, logs):
+            clip, secs = measured[i]
+            z = (x - median) / spread
+            why = None
+            if rates[i] < config.min_chars_per_second:
+                why = f"below the minimum {config.min_chars_per_second} chars/s"
+            elif rates[i] > config.max_chars_per_second:
+                why = f"above the maximum {config.max_chars_per_second} chars/s"
+            elif use_stats and abs(z) > config.max_rate_zscore:
+                why = f"robust z-score {z:+.1f} beyond +/-{config.max_rate_zscore}"
+            if why is not None:
+                problems[i] = (
+                    f"{rates[i]:.1f} chars/s of speech ({count_characters(clip.record.text)} characters in "
+                    f"{secs:.2f} s without edge silence), speaker {speaker!r} median {math.exp(median):.1f} chars/s "
+                    f"over {len(members)} clip(s): {why}; does the transcript belong to this audio?"
+                )
+    return problems
+
+
 def validate_clips(
     records: Iterable[ClipRecord],
     config: ValidationConfig | None = None,
@@ -100,12 +198,16 @@ def validate_clips(
 
     Checks, in order: missing file, duplicate path, empty transcript, missing ref_audio,
     duplicate content (sha256 of the file bytes), unreadable/corrupt audio, duration
-    outside [min, max], silence. A clip is a duplicate only of an earlier *accepted* clip.
+    outside [min, max], silence, clipping; then, over all the clips that passed, the speaking
+    rate of each against its speaker's (`transcript_mismatch`). A clip is a duplicate only of an
+    earlier clip that passed the per-clip checks. Clipping and mismatches are rejected or, as the
+    config says, kept and listed in ``report.warnings``.
     """
     config = config or ValidationConfig()
     report = ValidationReport(rejected=list(manifest_rejections), config=config)
     seen_paths: dict[Path, str] = {}
     seen_hashes: dict[str, str] = {}
+    measured: list[tuple[AcceptedClip, float]] = []  # (clip, seconds of speech)
 
     for rec in records:
         audio = str(rec.audio)
@@ -152,8 +254,28 @@ def validate_clips(
             shown = "-inf" if math.isinf(level) else f"{level:.1f}"
             reject("silent", f"RMS level {shown} dBFS is below {config.silence_threshold_db} dBFS")
             continue
+        clipped = clipped_fraction(samples, config.clip_level)
+        if clipped > config.max_clipped_fraction:
+            detail = (
+                f"{100 * clipped:.2f}% of samples at or above {config.clip_level} of full scale "
+                f"(limit {100 * config.max_clipped_fraction:.2f}%): the recording is clipped"
+            )
+            if config.clipped_action == "reject":
+                reject("clipped", detail)
+                continue
+            report.warnings.append(Rejection(rec.source, audio, "clipped", detail))
         seen_paths[rec.audio] = rec.source
         seen_hashes[digest] = rec.source
         # Decoded length, not the header's: compressed formats may only estimate it.
-        report.accepted.append(AcceptedClip(rec, samples.shape[1] / rate, digest))
+        measured.append((AcceptedClip(rec, samples.shape[1] / rate, digest), speech_seconds(samples, rate)))
+
+    problems = _check_speaking_rates(measured, config)
+    for i, (clip, _) in enumerate(measured):
+        if i in problems:
+            entry = Rejection(clip.record.source, str(clip.record.audio), "transcript_mismatch", problems[i])
+            if config.mismatch_action == "reject":
+                report.rejected.append(entry)
+                continue
+            report.warnings.append(entry)
+        report.accepted.append(clip)
     return report
