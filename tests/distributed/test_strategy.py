@@ -25,6 +25,12 @@ def _layer_classes():
     return Qwen3TTSTalkerDecoderLayer, Qwen3TTSDecoderLayer
 
 
+def _speaker_encoder_class():
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder
+
+    return Qwen3TTSSpeakerEncoder
+
+
 def _policy_classes(policy) -> set[type]:
     return set(policy._module_classes)  # torch's ModuleWrapPolicy keeps its classes here
 
@@ -35,7 +41,8 @@ def test_defaults_wrap_and_checkpoint_both_decoder_layer_classes():
     assert {TALKER_LAYER, PREDICTOR_LAYER} <= set(DEFAULT_WRAP)
     assert {TALKER_LAYER, PREDICTOR_LAYER} == set(DEFAULT_CHECKPOINT)
     strategy = Qwen3TTSFSDPStrategy()
-    assert _policy_classes(strategy.kwargs["auto_wrap_policy"]) == {talker_layer, predictor_layer, nn.Embedding}
+    wrapped = _policy_classes(strategy.kwargs["auto_wrap_policy"])
+    assert wrapped == {talker_layer, predictor_layer, nn.Embedding, _speaker_encoder_class()}
     checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
     assert _policy_classes(checkpointed) == {talker_layer, predictor_layer}
     assert strategy.sharding_strategy == ShardingStrategy.FULL_SHARD

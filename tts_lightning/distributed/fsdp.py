@@ -7,8 +7,13 @@ What it changes, and why:
 - Types the FSDP options users tune, so LightningCLI accepts them from YAML.
 - bf16-mixed keeps buffers and gradient reduction in fp32: Lightning's default casts the MRoPE
   `inv_freq` buffer to bf16 (1.15 rad of angle error at position 1000).
+- Loads big models without a full copy per rank: a model built with meta parameters (see
+  `tts_lightning.model.loading`) is materialized unit by unit as FSDP wraps it, read on global rank 0
+  and broadcast to the others on the root device.
 - Runs on CPU with gloo (FSDP1 needs ``device_id=cpu`` there; Lightning passes None), so CI trains
-  with real FSDP processes, and gives each rank its share of the cores.
+  with real FSDP processes, and gives each rank its share of the cores (also on GPU runs with
+  ``cpu_offload``, where the optimizer steps on the CPU).
+- Every tensor it hands to a collective lives on the root device: NCCL refuses CPU tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ DEFAULT_WRAP = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer",
     "torch.nn.Embedding",
+    # Frozen and unused by the loss: as its own unit it is never gathered and has no gradient
+    # (in the root unit it would be gathered every step and share the root's flat gradient).
+    "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSSpeakerEncoder",
 )
 DEFAULT_CHECKPOINT = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
@@ -123,9 +131,14 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
 
         return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
+    # A LightningModule whose `configure_model` sees this flag may leave its parameters on the meta
+    # device with a `pending_weights` loader (`tts_lightning.model.loading.MetaWeights`).
+    materializes_meta_parameters = True
+
     def setup_environment(self) -> None:
-        if self.root_device.type == "cpu":
-            # Lightning sets threads in rank 0 only; ranks sharing few cores must split them.
+        if self.root_device.type == "cpu" or self.cpu_offload.offload_params:
+            # Lightning sets threads in rank 0 only; ranks sharing the cores (CPU runs, or the CPU
+            # optimizer step under cpu_offload) must split them.
             threads = max(1, (os.cpu_count() or 1) // max(self.num_processes, 1))
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
         super().setup_environment()
@@ -133,19 +146,29 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             return self._report_shards(super()._setup_model(model))
-        # FSDP1 on CPU needs device_id=cpu; Lightning passes the device index (None on CPU).
-        # Wrap here, then let Lightning do the rest (metrics, activation checkpointing) as for
-        # an already-wrapped model.
+        # Wrap here, then let Lightning do the rest (metrics, activation checkpointing) as for an
+        # already-wrapped model. FSDP1 on CPU needs device_id=cpu (Lightning passes the index, None
+        # on CPU), and a meta-built model is materialized unit by unit as it is wrapped.
+        kwargs = dict(self.kwargs)
+        weights = getattr(model, "pending_weights", None)
+        if weights is not None:
+            broadcast = self.world_size > 1
+            kwargs["param_init_fn"] = lambda module: weights.materialize(
+                module, device=self.root_device, broadcast=broadcast
+            )
         wrapped = FullyShardedDataParallel(
             module=model,
             cpu_offload=self.cpu_offload,
             mixed_precision=self.mixed_precision_config,
             sharding_strategy=self.sharding_strategy,
-            device_id=torch.device("cpu"),
-            **self.kwargs,
+            device_id=self.root_device,
+            **kwargs,
         )
+        if weights is not None:
+            weights.reader.close()
+            model.pending_weights = None
         policy = self.kwargs.pop("auto_wrap_policy", None)
         try:
             return self._report_shards(super()._setup_model(wrapped))
@@ -177,22 +200,32 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write beside the destination, then rename, so an interrupted save never leaves a
-        half-written checkpoint where `--ckpt_path last` would find it."""
+        half-written checkpoint where `--ckpt_path last` would find it. Each node's local rank 0
+        renames what its node wrote (node-local storage keeps every node's shards), and a failed
+        write on any rank removes the partial everywhere and raises on every rank."""
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(f".{final.name}.partial")
         old = final.with_name(f".{final.name}.old")
-        if self.is_global_zero:
+        if self.local_rank == 0:
             _remove(partial)
         self.barrier("checkpoint_prepare")
-        super().save_checkpoint(checkpoint, partial, storage_options)
+        error: BaseException | None = None
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+        except Exception as exc:  # every rank must learn of it, or the others wait forever
+            error = exc
+        if not self.reduce_boolean_decision(error is None, all=True):
+            if self.local_rank == 0:
+                _remove(partial)
+            self.barrier("checkpoint_failed")
+            raise CheckpointWriteError(final, error) from error
         self.barrier("checkpoint_written")
         if self.is_global_zero:
-            _remove(old)
-            if final.exists():
-                os.replace(final, old)  # a folder cannot be replaced in one step
-            os.replace(partial, final)
-            _remove(old)
+            _rename(partial, final, old)
         self.barrier("checkpoint_renamed")
+        if self.local_rank == 0 and not self.is_global_zero and partial.exists():
+            _rename(partial, final, old)  # node-local storage: this node's own copy
+        self.barrier("checkpoint_renamed_on_nodes")
 
     def _report_shards(self, model: nn.Module) -> nn.Module:
         """Say on every rank how much of the model it holds: the first thing to check when memory
@@ -200,7 +233,7 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         local = sum(p.numel() for p in model.parameters())  # orig-param views of the local shard
-        total = torch.tensor([local], dtype=torch.long)
+        total = torch.tensor([local], dtype=torch.long, device=self.root_device)  # NCCL: never CPU
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
         units = sum(isinstance(m, FullyShardedDataParallel) for m in model.modules())
@@ -213,8 +246,36 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         return model
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the previous one at that path is intact."""
+
+    def __init__(self, path: Path, error: BaseException | None) -> None:
+        usage = shutil.disk_usage(_existing_parent(path))
+        full = usage.free < max(64 * 2**20, usage.total // 100)
+        cause = "the disk is full" if full else "the write failed"
+        reason = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
+        super().__init__(
+            f"could not write checkpoint {path}: {cause} ({usage.free / 2**30:.2f} GiB free on "
+            f"that disk; {reason}). The partial write was removed; an earlier checkpoint at that path is intact."
+        )
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _rename(partial: Path, final: Path, old: Path) -> None:
+    _remove(old)
+    if final.exists():
+        os.replace(final, old)  # a folder cannot be replaced in one step
+    os.replace(partial, final)
+    _remove(old)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)  # another node may remove a shared folder too
     elif path.exists() or path.is_symlink():
         path.unlink()

@@ -13,7 +13,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
 from tts_lightning.model.loss import LossOutput, compute_loss
-from tts_lightning.model.pretrained import build_model, check_pretrained
+from tts_lightning.model.loading import MetaWeights, build_empty_model
+from tts_lightning.model.pretrained import check_pretrained
 from tts_lightning.model.pretrained import load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import tokenize_text
 from tts_lightning.model.sequence import TalkerBatch
@@ -63,6 +64,7 @@ class Qwen3TTSModule(L.LightningModule):
         talker_cfg = info.config["talker_config"]
         self.num_code_groups = int(talker_cfg["num_code_groups"])
         self.model: nn.Module | None = None
+        self.pending_weights: MetaWeights | None = None  # set by configure_model for the strategy
         self.speakers = list(speakers or [])
         # The fp32 speaker embeddings the run trains with, saved in every checkpoint so that export
         # writes exactly these vectors into the new speakers' codec-embedding rows.
@@ -83,13 +85,24 @@ class Qwen3TTSModule(L.LightningModule):
 
     # -- construction ------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Build the model here, not in __init__, so that FSDP can wrap it as it is created."""
+        """Build the model here, not in __init__, so that FSDP can wrap it as it is created.
+
+        The parameters are built on the meta device and filled from the checkpoint tensor by
+        tensor (`tts_lightning.model.loading`): never a random init, never a second copy. A strategy
+        that materializes meta models itself (`Qwen3TTSFSDPStrategy`: unit by unit while wrapping,
+        read on rank 0 and broadcast) gets them as they are; otherwise they are filled here."""
         if self.model is not None:
             return
         info = check_pretrained(self.hparams.pretrained, require_type="base")
-        model = build_model(info, attn_implementation=self.hparams.attn_implementation)
+        model = build_empty_model(info, attn_implementation=self.hparams.attn_implementation)
         for name, param in model.named_parameters():
             param.requires_grad_(not matches(name, self.hparams.freeze))
+        weights = MetaWeights(model, info)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "materializes_meta_parameters", False):
+            self.pending_weights = weights
+        else:
+            weights.materialize_all(model)
         self.model = model
 
     @property
@@ -208,8 +221,11 @@ class Qwen3TTSModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]
+        # The fused kernel on GPUs: one launch per step instead of several per parameter. With
+        # cpu_offload the (sharded) parameters live on the CPU, where the default is right.
+        fused = bool(params) and all(p.is_cuda for p in params)
         optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, fused=fused or None
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = self.hparams.warmup_steps

@@ -42,11 +42,17 @@ class PretrainedInfo:
 
 
 def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
-    """A local directory as it is; anything else is taken as a hub id and downloaded (cached)."""
+    """A local directory as it is; ``tiny``, the embedded tiny model (built into the user cache on
+    first use, `tts_lightning.model.tiny.default_tiny_dir`); anything else is taken as a hub id and
+    downloaded (cached)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path.resolve()
     text = str(name_or_path)
+    if text == "tiny":
+        from tts_lightning.model.tiny import default_tiny_dir
+
+        return default_tiny_dir()
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise PretrainedError(f"pretrained directory {text!r} does not exist")
@@ -148,20 +154,18 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
 
 
 def build_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa", load_weights: bool = True):
-    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights (no speech tokenizer:
-    training does not need it, and the official `from_pretrained` always loads it)."""
-    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights, read tensor by tensor
+    into the parameters (no random init, no second copy: see `tts_lightning.model.loading`), or with
+    random weights when ``load_weights`` is false. No speech tokenizer: training does not need it,
+    and the official `from_pretrained` always loads it."""
+    if not load_weights:
+        from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
 
-    model = Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
-    if load_weights:
-        state = load_state_dict(info)
-        result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise PretrainedError(
-                f"{info.path}: weights do not match the config (missing {result.missing_keys[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]})"
-            )
-    return model
+        return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
+    from tts_lightning.model.loading import MetaWeights, build_empty_model
+
+    model = build_empty_model(info, attn_implementation=attn_implementation)
+    return MetaWeights(model, info).materialize_all(model)
 
 
 def load_text_tokenizer(info: PretrainedInfo):

@@ -242,14 +242,17 @@ def collate(
 def codec_embedding_sum(talker, codec_ids: Tensor) -> Tensor:
     """Sum of the codec embeddings at each position: group 0 through the talker's
     ``codec_embedding``, group g >= 1 through the code predictor's ``codec_embedding[g-1]``,
-    as generation feeds each frame back. ``codec_ids`` (..., G) with NO_CODEC where absent."""
+    as generation feeds each frame back. ``codec_ids`` (..., G) with NO_CODEC where absent.
+
+    Every embedding runs whatever the batch holds: under FSDP each one is a unit whose forward is
+    collective, so skipping an absent codebook on one rank would leave the others waiting (and
+    asking the host whether it is present costs a device sync per codebook)."""
     present = codec_ids != NO_CODEC
     ids = codec_ids.clamp(min=0)
     out = talker.model.codec_embedding(ids[..., 0]) * present[..., :1]
     predictor_embeddings = talker.code_predictor.model.codec_embedding
     for g in range(1, codec_ids.shape[-1]):
-        if present[..., g].any():
-            out = out + predictor_embeddings[g - 1](ids[..., g]) * present[..., g : g + 1]
+        out = out + predictor_embeddings[g - 1](ids[..., g]) * present[..., g : g + 1]
     return out
 
 

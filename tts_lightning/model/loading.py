@@ -1,0 +1,112 @@
+"""Put a checkpoint's weights into Qwen3-TTS without ever holding a second copy of the model.
+
+The model is built with its parameters on the meta device (no memory, no random init); buffers,
+such as the MRoPE ``inv_freq``, are computed for real from the config as usual. Each module's
+parameters are then materialized on the target device and filled tensor by tensor from the
+safetensors files, converted to fp32 as they are read. Peak memory: the fp32 model plus one tensor.
+
+Under FSDP, `Qwen3TTSFSDPStrategy` hands `MetaWeights.materialize` to FSDP as ``param_init_fn``, so
+each unit is materialized just before it is sharded: global rank 0 reads, every other rank receives
+the same bytes by a broadcast on the root device, and no rank holds more than one unsharded unit.
+Units are materialized in the same order on every rank, so the broadcasts always pair up.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+from tts_lightning.model.pretrained import PretrainedError, PretrainedInfo, load_config
+
+
+class WeightReader:
+    """The tensors of a pretrained directory's safetensors file(s), read one at a time."""
+
+    def __init__(self, info: PretrainedInfo) -> None:
+        from safetensors import safe_open
+
+        index = info.path / "model.safetensors.index.json"
+        if index.is_file():
+            file_of = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(str(info.path / "model.safetensors"), framework="pt") as f:
+                file_of = {key: "model.safetensors" for key in f.keys()}
+        self.path = info.path
+        self.file_of: dict[str, str] = dict(file_of)
+        self._files = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> set[str]:
+        return set(self.file_of)
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        name = self.file_of[key]
+        if name not in self._handles:
+            self._handles[name] = self._files.enter_context(safe_open(str(self.path / name), framework="pt"))
+        return self._handles[name].get_tensor(key)
+
+    def close(self) -> None:
+        self._files.close()
+        self._handles.clear()
+
+
+def build_empty_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa") -> nn.Module:
+    """`Qwen3TTSForConditionalGeneration` with parameters on the meta device and real buffers."""
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+    from transformers.integrations.accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation))
+
+
+class MetaWeights:
+    """Materializes the meta parameters of a model built by `build_empty_model`, module by module,
+    with the checkpoint's values in ``dtype``.
+
+    ``materialize(module)`` is FSDP's ``param_init_fn`` contract: it only touches the parameters the
+    module owns directly and ignores modules that are not part of the model (the LightningModule
+    around it, metrics). With ``broadcast=True`` (a distributed run) global rank 0 reads and the
+    other ranks receive; without it, every process reads for itself.
+    """
+
+    def __init__(self, model: nn.Module, info: PretrainedInfo, *, dtype: torch.dtype = torch.float32):
+        self.reader = WeightReader(info)
+        self.dtype = dtype
+        self.names = {module: name for name, module in model.named_modules()}
+        wanted = {name for name, _ in model.named_parameters()}
+        missing, unexpected = sorted(wanted - self.reader.keys()), sorted(self.reader.keys() - wanted)
+        if missing or unexpected:
+            raise PretrainedError(
+                f"{info.path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+
+    def materialize(self, module: nn.Module, *, device: torch.device | str = "cpu", broadcast: bool = False) -> None:
+        name = self.names.get(module)
+        if name is None:
+            return
+        reading = True
+        if broadcast:
+            reading = torch.distributed.get_rank() == 0
+        device = torch.device(device)
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            key = f"{name}.{param_name}" if name else param_name
+            value = torch.empty(param.shape, dtype=self.dtype, device=device)
+            if reading:
+                value.copy_(self.reader.read(key))
+            if broadcast:
+                torch.distributed.broadcast(value, src=0)
+            module._parameters[param_name] = nn.Parameter(value, requires_grad=param.requires_grad)
+
+    def materialize_all(self, model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Module:
+        with torch.no_grad():
+            for module in model.modules():
+                self.materialize(module, device=device)
+        self.reader.close()
+        return model
