@@ -1,7 +1,14 @@
-"""Writing files and folders so that a crash never leaves half of one where a reader looks."""
+"""Writing files and folders so that a crash never leaves half of one where a reader looks.
+
+A write that fails because the disk is full, the quota is spent, or the folder is not writable
+raises `WriteError` (an `OSError` with the same errno): one message naming the path, the problem
+and the free space there, with nothing half-written left behind. Everything written before it stays,
+so running the same command again after freeing space continues where it stopped.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -12,18 +19,131 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[object], None], *, binary: bool = True) -> Path:
-    """Write ``path`` through ``write(fileobj)`` into a temporary file beside it, then rename it into
-    place, so a reader (or a crash) never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def free_space(path: str | os.PathLike) -> int | None:
+    """Free bytes (for an unprivileged user) on the file system that holds ``path`` or, when it does
+    not exist yet, its nearest existing parent; None when that cannot be read."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
     try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+class WriteError(OSError):
+    """A file or folder that could not be written: disk full, quota, permission, read-only.
+
+    ``str()`` is one message for the user: the path, the problem, the free space there, how much
+    the write (``needed``) or the rest of the job (``remaining``) needs where known, and what to do.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        cause: OSError,
+        *,
+        free: int | None = None,
+        needed: int | None = None,
+        written: int | None = None,
+        remaining: str | None = None,
+    ) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), str(path))
+        self.path = Path(path)
+        self.cause = cause
+        self.free = free_space(path) if free is None else free
+        self.needed = needed
+        self.written = written
+        self.remaining = remaining
+
+    @property
+    def disk_full(self) -> bool:
+        return self.errno in SPACE_ERRNOS
+
+    def with_remaining(self, remaining: str) -> WriteError:
+        """The same error, also saying what the rest of the job needs (e.g. "23 clips still to
+        encode, about 4.1 MiB")."""
+        return WriteError(self.path, self.cause, free=self.free, needed=self.needed, written=self.written,
+                          remaining=remaining)
+
+    def __str__(self) -> str:
+        if self.disk_full:
+            problem = "no space left on device" if self.errno == errno.ENOSPC else (self.strerror or "").lower()
+        elif self.errno == errno.EROFS:
+            problem = "read-only file system"
+        elif self.errno in ACCESS_ERRNOS:
+            problem = "permission denied"
+        else:
+            problem = self.strerror or str(self.cause)
+        parts = [f"cannot write {self.path}: {problem}"]
+        facts = []
+        if self.free is not None:
+            facts.append(f"{format_bytes(self.free)} free there")
+        if self.needed is not None:
+            facts.append(f"this write needs {format_bytes(self.needed)}")
+        elif self.written:
+            facts.append(f"{format_bytes(self.written)} written before it failed")
+        if self.remaining:
+            facts.append(self.remaining)
+        if facts:
+            parts.append(f" ({'; '.join(facts)})")
+        if self.disk_full:
+            parts.append(". Free some space (or write elsewhere) and run the same command again: "
+                         "everything finished so far is kept and nothing half-written was left")
+        elif self.errno in ACCESS_ERRNOS:
+            parts.append(". Choose a folder you can write to, or fix its permissions")
+        return "".join(parts)
+
+
+def _as_write_error(exc: OSError, path: Path, **facts) -> OSError:
+    if isinstance(exc, WriteError) or exc.errno not in SPACE_ERRNOS | ACCESS_ERRNOS:
+        return exc
+    return WriteError(path, exc, **facts)
+
+
+def _size(path: Path) -> int:
+    try:
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[object], None], *, binary: bool = True, needed: int | None = None
+) -> Path:
+    """Write ``path`` through ``write(fileobj)`` into a temporary file beside it, then rename it into
+    place, so a reader (or a crash) never sees half a file. A full disk or a folder that cannot be
+    written raises `WriteError` (``needed``: the bytes this file takes, when the caller knows)."""
+    path = Path(path)
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
             write(fh)
         os.replace(tmp, path)
+    except OSError as exc:
+        written = _size(Path(tmp)) if tmp else None
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        raise _as_write_error(exc, path, needed=needed, written=written) from exc
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return path
 
@@ -37,15 +157,25 @@ def atomic_write_json(path: str | os.PathLike, data: object) -> Path:
 
 
 @contextmanager
-def staged_directory(out: Path) -> Iterator[Path]:
+def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
     """A temporary folder beside ``out`` to build in; the caller renames it into place. Whatever is
-    left of it afterwards (an error, an interruption) is removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    left of it afterwards (an error, an interruption) is removed. A full disk or an unwritable
+    folder while building raises `WriteError` naming ``out`` (``needed``: the bytes the folder
+    takes, when the caller knows)."""
+    out = Path(out)
+    tmp: Path | None = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         yield tmp
+    except OSError as exc:
+        written = _size(tmp) if tmp is not None else None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _as_write_error(exc, out, needed=needed, written=written) from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

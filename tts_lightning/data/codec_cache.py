@@ -196,7 +196,62 @@ class CodecCache:
         return self.path(clip).relative_to(self.cache_dir).as_posix()
 
     def is_cached(self, clip: AcceptedClip) -> bool:
-        return self.path(clip).is_file()
+        """True when the clip's cache file exists and its header and size are sound (a cheap check:
+        the values are read by `load` and `verify(..., full=True)`)."""
+        path = self.path(clip)
+        return path.is_file() and self.problem(path) is None
+
+    # -- verifying -----------------------------------------------------------------------------
+
+    def problem(self, path: str | os.PathLike, *, full: bool = False) -> str | None:
+        """What is wrong with the cache file ``path``, or None. Checks the header and the file size
+        (truncation), the shape (T, num_code_groups) and the integer dtype; ``full`` also reads the
+        values and checks they lie in the codebook."""
+        try:
+            if full:
+                read_codes(path, self.num_code_groups, self.codebook_size)
+            else:
+                check_codes_header(path, self.num_code_groups)
+        except CacheEntryError as exc:
+            return exc.problem
+        return None
+
+    def _discard(self, path: Path, problem: str, what: str | None = None) -> None:
+        about = f" (codes of {what})" if what else ""
+        logger.warning("codec cache: %s%s is bad: %s; removed, it will be encoded again", path, about, problem)
+        path.unlink(missing_ok=True)
+
+    def verify(self, clips: Iterable[AcceptedClip], *, full: bool = False) -> list[Path]:
+        """Check the cache files of ``clips`` (see `problem`); remove each bad one with a warning
+        naming it, so that `encode_missing` encodes it again. Returns the removed files."""
+        removed: list[Path] = []
+        seen: set[Path] = set()
+        for clip in clips:
+            path = self.path(clip)
+            if path in seen or not path.is_file():
+                continue
+            seen.add(path)
+            problem = self.problem(path, full=full)
+            if problem is not None:
+                self._discard(path, problem, str(clip.record.audio))
+                removed.append(path)
+        return removed
+
+    def verify_all(self, *, full: bool = True, names: dict[str, str] | None = None) -> tuple[int, list[Path]]:
+        """Check every cache file of this speech tokenizer (and the stored manifest codes); remove the
+        bad ones with a warning naming each. ``names`` maps a file's path relative to the cache folder
+        to the clip it holds, for the warning. Returns (files checked, files removed)."""
+        folders = [self.cache_dir / "codes" / self.tokenizer_id, self.cache_dir / "codes" / MANIFEST_CODES_DIR]
+        checked, removed = 0, []
+        for folder in folders:
+            for path in sorted(folder.glob("*.npy")) if folder.is_dir() else []:
+                checked += 1
+                problem = self.problem(path, full=full)
+                if problem is not None:
+                    what = (names or {}).get(path.relative_to(self.cache_dir).as_posix())
+                    self._discard(path, problem, what)
+                    removed.append(path)
+        return checked, removed
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -219,10 +274,18 @@ class CodecCache:
         return None
 
     def load(self, clip: AcceptedClip) -> torch.Tensor:
-        """The clip's codes, LongTensor (T, 16). Manifest codes come straight from the record."""
+        """The clip's codes, LongTensor (T, 16), checked (shape, dtype, codebook range). Manifest
+        codes come straight from the record. A bad cache file (truncated, wrong shape, values out of
+        range) is removed with a warning naming it and the clip is encoded again."""
         if clip.record.audio_codes is not None:
             return torch.from_numpy(self._given_codes(clip).astype(np.int64))
-        return load_codes(self.path(clip))
+        path = self.path(clip)
+        try:
+            return load_codes(path, self.num_code_groups, self.codebook_size)
+        except CacheEntryError as exc:
+            self._discard(path, exc.problem, str(clip.record.audio))
+        self.encode_missing([clip])
+        return load_codes(path, self.num_code_groups, self.codebook_size)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -293,6 +356,72 @@ class CodecCache:
         self._tokenizer = None
 
 
-def load_codes(path: str | os.PathLike) -> torch.Tensor:
-    """A cached ``.npy`` codes file as a LongTensor (T, G)."""
-    return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64))
+class CacheEntryError(ValueError):
+    """A codec cache file that cannot be used: unreadable, truncated, wrong shape, dtype or values."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(
+            f"codec cache file {self.path} is bad: {problem}. Run `tts-lightning prepare --verify` "
+            "(or delete the file) and it is encoded again"
+        )
+
+
+def check_codes_header(path: str | os.PathLike, num_code_groups: int | None = None) -> tuple[int, ...]:
+    """The shape of a cached ``.npy`` codes file from its header, after checking the header, the
+    dtype (integer), the shape ((T >= 1, num_code_groups)) and that the file holds all the data the
+    header announces (not truncated). Raises `CacheEntryError`; FileNotFoundError when missing."""
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            offset = fh.tell()
+            size = os.fstat(fh.fileno()).st_size
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, EOFError, SyntaxError) as exc:
+        raise CacheEntryError(path, f"unreadable .npy header ({exc})") from None
+    _check_layout(path, tuple(shape), dtype, num_code_groups)
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != expected:
+        raise CacheEntryError(path, f"truncated or padded: {size} bytes, the header announces {expected}")
+    return tuple(shape)
+
+
+def _check_layout(path, shape: tuple[int, ...], dtype: np.dtype, num_code_groups: int | None) -> None:
+    groups = "G" if num_code_groups is None else str(num_code_groups)
+    if len(shape) != 2 or shape[0] < 1 or (num_code_groups is not None and shape[1] != num_code_groups):
+        raise CacheEntryError(path, f"shape {shape}, expected (frames >= 1, {groups})")
+    if dtype.kind not in "iu":
+        raise CacheEntryError(path, f"dtype {dtype}, expected integers")
+
+
+def read_codes(
+    path: str | os.PathLike, num_code_groups: int | None = None, codebook_size: int | None = None
+) -> np.ndarray:
+    """A cached codes file as an integer array (T, G), checked: readable and complete, 2-D with
+    ``num_code_groups`` columns, integer dtype, values in ``[0, codebook_size)`` (non-negative when
+    no size is given). Raises `CacheEntryError` naming the file; FileNotFoundError when missing."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, EOFError) as exc:
+        raise CacheEntryError(path, f"unreadable or truncated ({exc})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive
+        raise CacheEntryError(path, "not a single .npy array")
+    _check_layout(path, arr.shape, arr.dtype, num_code_groups)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or (codebook_size is not None and hi >= codebook_size):
+        bound = "" if codebook_size is None else f", {codebook_size}"
+        raise CacheEntryError(path, f"values in [{lo}, {hi}], outside the codebook [0{bound})")
+    return arr
+
+
+def load_codes(
+    path: str | os.PathLike, num_code_groups: int | None = None, codebook_size: int | None = None
+) -> torch.Tensor:
+    """A cached ``.npy`` codes file as a LongTensor (T, G), checked as `read_codes` does."""
+    return torch.from_numpy(read_codes(path, num_code_groups, codebook_size).astype(np.int64))

@@ -3,6 +3,7 @@
     tts-lightning prepare --config configs/tiny-cpu.yaml          # the data: section of a fit config
     tts-lightning prepare --data.pretrained DIR --data.train_manifest train.jsonl
     tts-lightning prepare --pretrained DIR --train_manifest train.jsonl --config c.yaml --seed 3
+    tts-lightning prepare --config configs/tiny-cpu.yaml --verify # also read every cached file back
 
 The config may hold ``data: {class_path: ..., init_args: {...}}``, ``data: {init_args: {...}}`` or a
 flat ``data: {...}``; other sections (model, trainer, ...) are ignored. Flags override the config.
@@ -11,6 +12,9 @@ flat ``data: {...}``; other sections (model, trainer, ...) are ignored. Flags ov
 from __future__ import annotations
 
 import inspect
+import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,47 @@ def _qualify_flags(argv: list[str], names: set[str]) -> list[str]:
     return out
 
 
+def _verify_cache(data) -> tuple[int, int]:
+    """Read back every codes file of the data module's cache (header, size, shape, dtype, codebook
+    range); remove the bad ones (a warning names each) so that `prepare` encodes them again."""
+    from tts_lightning.data.codec_cache import CodecCache
+
+    h = data.hparams
+    cache = CodecCache(data.cache_dir, data.pretrained_info, normalize=h.normalize, trim_silence=h.trim_silence)
+    names: dict[str, str] = {}
+    try:  # name the clip of each file, from the last index, when there is one
+        names = {e["codes"]: e["audio"] for e in json.loads(data.prepared_path.read_text(encoding="utf-8"))["clips"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    checked, removed = cache.verify_all(full=True, names=names)
+    return checked, len(removed)
+
+
+def _remaining_need(data, exc) -> str | None:
+    """What the codes still to encode need, estimated from the data report (written before
+    encoding) and the codes already cached; None when unknown."""
+    try:
+        report = json.loads(data.report_path.read_text(encoding="utf-8"))
+        clips, seconds = int(report["accepted"]), float(report["total_accepted_seconds"])
+        info = data.pretrained_info
+        from tts_lightning.data.codec_cache import CodecCache
+
+        folder = CodecCache(data.cache_dir, info).cache_dir / "codes"
+        cached = sum(1 for _ in folder.rglob("*.npy")) if folder.is_dir() else 0
+        block = os.statvfs(exc.path.parent if exc.path.parent.exists() else data.cache_dir).f_frsize or 4096
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    todo = max(0, clips - cached)
+    if not clips or not todo:
+        return None
+    groups = info.num_code_groups
+    per_clip = 128 + (seconds * 12.5 / clips + 1) * groups * 2  # .npy header + int16 codes
+    per_clip = math.ceil(per_clip / block) * block
+    from tts_lightning.files import format_bytes
+
+    return f"about {todo} clip(s) still to encode, about {format_bytes(todo * per_clip)} of codes"
+
+
 def prepare_command(argv: list[str]) -> int:
     from jsonargparse import ArgumentParser
 
@@ -63,6 +108,9 @@ def prepare_command(argv: list[str]) -> int:
         "before training (`fit` does the same, skipping what is already cached).",
     )
     parser.add_argument("--config", type=str, help="a LightningCLI YAML; its data: section is used")
+    parser.add_argument("--verify", action="store_true",
+                        help="read back every cached codes file (shape, dtype, codebook range) and "
+                        "encode the bad ones again")
     parser.add_class_arguments(SpeakerClipsDataModule, "data")
     names = set(inspect.signature(SpeakerClipsDataModule.__init__).parameters) - {"self"}
     argv = _qualify_flags(list(argv), names)
@@ -88,12 +136,25 @@ def prepare_command(argv: list[str]) -> int:
 
     cfg = parser.parse_args(argv)
     kwargs = cfg.data.as_dict() if hasattr(cfg.data, "as_dict") else dict(vars(cfg.data))
+    from tts_lightning.files import WriteError
+
+    data = None
     try:
         data = SpeakerClipsDataModule(**kwargs)
+        if cfg.verify:
+            checked, bad = _verify_cache(data)
         report = data.prepare()
+    except WriteError as exc:
+        if exc.disk_full and data is not None:
+            rest = _remaining_need(data, exc)
+            exc = exc.with_remaining(rest) if rest else exc
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if cfg.verify:
+        print(f"verified {checked} cached codes file(s): {bad} bad, encoded again")
     print(report.summary())
     print(f"report: {data.report_path}")
     print(f"prepared: {data.prepared_path} (speakers: {', '.join(data.speaker_names)})")
