@@ -1,0 +1,146 @@
+"""Failures of the file system, on a real small file system: a full disk or a read-only folder
+makes our writers (codec cache, reports, speaker table, staged folders) raise one clear error that
+names the path and the free space, leaves no partial file, and a rerun continues.
+
+The file systems are tmpfs mounts of a few pages (the tests run as root, as CI does; without the
+right to mount they are skipped)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tts_lightning.files import WriteError, atomic_write, atomic_write_json, staged_directory
+
+
+def _mount(path: Path, size: str, *options: str) -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
+                   check=True, capture_output=True)
+
+
+def _remount(path: Path, *options: str) -> None:
+    subprocess.run(["mount", "-o", ",".join(["remount", *options]), str(path)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """small_fs(size) -> a folder on a fresh tmpfs of that size, unmounted afterwards."""
+    mounts: list[Path] = []
+
+    def make(size: str = "64k") -> Path:
+        path = tmp_path / f"fs{len(mounts)}"
+        path.mkdir()
+        try:
+            _mount(path, size)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
+        mounts.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounts):
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def _fill(folder: Path) -> None:
+    """Fill the file system of ``folder`` to the last byte."""
+    with open(folder / "ballast", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def _leftovers(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".")]
+
+
+def test_disk_full_names_the_path_and_the_free_space_and_keeps_the_old_file(small_fs):
+    fs = small_fs("64k")
+    target = atomic_write_json(fs / "report.json", {"old": True})
+    _fill(fs)
+    with pytest.raises(WriteError) as err:
+        atomic_write_json(target, {"new": list(range(5000))})
+    message = str(err.value)
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError)
+    assert str(target) in message and "no space left on device" in message
+    assert "0 B free there" in message and "run the same command again" in message
+    assert json.loads(target.read_text()) == {"old": True}  # the previous version is intact
+    assert _leftovers(fs) == []  # no temporary file left behind
+
+    with pytest.raises(WriteError, match=r"this write needs 1\.0 MiB"):
+        atomic_write(fs / "codes.npy", lambda fh: fh.write(b"\1" * (1 << 20)), needed=1 << 20)
+    assert not (fs / "codes.npy").exists() and _leftovers(fs) == []
+
+    (fs / "ballast").unlink()  # space again: the same write succeeds
+    atomic_write_json(target, {"new": 1})
+    assert json.loads(target.read_text()) == {"new": 1}
+
+
+def test_staged_folder_on_a_full_disk_leaves_nothing(small_fs):
+    fs = small_fs("64k")
+    out = fs / "voice"
+    with pytest.raises(WriteError) as err:
+        with staged_directory(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            with open(tmp / "model.safetensors", "wb") as fh:
+                fh.write(b"\0" * (256 << 10))
+            os.replace(tmp, out)
+    message = str(err.value)
+    assert str(out) in message and "no space left on device" in message and "written before it failed" in message
+    assert list(fs.iterdir()) == []  # neither the staged folder nor a partial export
+
+
+def test_read_only_folder_is_one_clear_error(small_fs):
+    fs = small_fs("64k")
+    _remount(fs, "ro")
+    with pytest.raises(WriteError) as err:
+        atomic_write_json(fs / "cache" / "report.json", {})
+    assert err.value.errno == errno.EROFS
+    assert f"cannot write {fs / 'cache' / 'report.json'}: read-only file system" in str(err.value)
+
+
+def test_prepare_on_a_full_disk_stops_clearly_and_a_rerun_continues(small_fs, tiny_dir, tmp_path, capsys):
+    """The cache on a 64 KiB file system fills up while encoding: `prepare` fails with one message
+    (path, free space, what the rest needs), no partial file; after the disk grows, the same command
+    encodes only what is missing."""
+    import soundfile as sf
+
+    from tts_lightning.data.prepare_cli import prepare_command
+
+    lines = []
+    (tmp_path / "clips").mkdir()
+    t = np.arange(int(0.6 * 24_000)) / 24_000
+    for i in range(24):
+        sf.write(tmp_path / "clips" / f"{i}.wav", (0.3 * np.sin(2 * np.pi * (150.0 + 25 * i) * t)).astype(np.float32),
+                 24_000, subtype="PCM_16")
+        lines.append(json.dumps({"audio": f"clips/{i}.wav", "text": f"Clip {i}.", "speaker": "ann"}))
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    cache = small_fs("64k") / "cache"
+    args = ["--pretrained", str(tiny_dir), "--train_manifest", str(manifest), "--cache_dir", str(cache)]
+
+    assert prepare_command(args) == 1
+    err = capsys.readouterr().err
+    message = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert f"cannot write {cache}" in message and "no space left on device" in message
+    assert "free there" in message and "clip(s) still to encode" in message and "run the same command again" in message
+    assert _leftovers(cache) == []
+    written = sorted(cache.rglob("*.npy"))
+    assert 0 < len(written) < 24
+    for f in written:  # whatever was written is whole
+        assert np.load(f).shape[1] == 16
+    stamps = {f: f.stat().st_mtime_ns for f in written}
+
+    _remount(cache.parent, "size=2m")
+    assert prepare_command(args) == 0
+    assert len(list(cache.rglob("*.npy"))) == 24 and _leftovers(cache) == []
+    assert {f: f.stat().st_mtime_ns for f in written} == stamps  # kept, not encoded again
+    assert (cache / "prepared.json").is_file()
