@@ -16,7 +16,7 @@ install: $(BIN)/tts-lightning
 # processes, export the last checkpoint as a custom_voice model and speak with the new voice.
 demo: install
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning tiny-model runs/tiny-model
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml
+	OMP_NUM_THREADS=1 $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --data.pretrained runs/tiny-model
 	OMP_NUM_THREADS=1 $(BIN)/tts-lightning export --overwrite --dtype fp32 \
 		--ckpt runs/tiny-cpu/checkpoints/last.ckpt \
 		--out runs/tiny-cpu/voice

@@ -1,7 +1,12 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -223,3 +228,44 @@ def test_prepare_command_takes_the_manifest_encoding(tiny_dir, tmp_path, capsys)
     assert f"{root / 'metadata.csv'}: line 1" in err and "byte 0xe9" in err and "manifest_encoding" in err
     assert prepare_command(flags + ["--data.manifest_encoding", "latin-1"]) == 0
     assert "accepted 3 clips" in capsys.readouterr().out
+
+
+def test_the_report_is_shown_once_per_fit(tiny_dir, prepared, tmp_path):
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addHandler(handler)
+    try:
+        data = make(tiny_dir, prepared, max_frames_per_batch=200)
+        data.report_path.unlink()  # a report nobody has seen yet
+        data.prepare()
+        L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                  default_root_dir=tmp_path).fit(_Recorder(), data)  # prepare_data prepares again
+        make(tiny_dir, prepared).prepare()  # another instance (process): the same report, one line
+    finally:
+        rank_zero_logger.removeHandler(handler)
+    reports = [line for line in lines if line.startswith("data report")]
+    assert len(reports) == 2, lines
+    assert reports[0].startswith("data report (") and "accepted 24 clips" in reports[0]
+    assert reports[1] == f"data report unchanged ({data.report_path}): 24 clips accepted, 0 rejected"
+
+
+def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ranks(tiny_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "user-cache"
+    env = {**os.environ, "TTS_LIGHTNING_CACHE": str(cache)}
+    script = "from tts_lightning.model.pretrained import check_pretrained; print(check_pretrained('tiny').path)"
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    built = {Path(out.strip().splitlines()[-1]) for out, _ in outputs}
+    assert len(built) == 1 and [p.name for p in cache.iterdir()] == [next(iter(built)).name]  # no temp folder left
+    (path,) = built
+    files = sorted(p.relative_to(tiny_dir) for p in tiny_dir.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(path) for p in path.rglob("*") if p.is_file())
+    assert all((path / f).read_bytes() == (tiny_dir / f).read_bytes() for f in files)  # the seed-0 tiny model
+
+    monkeypatch.setenv("TTS_LIGHTNING_CACHE", str(cache))
+    assert SpeakerClipsDataModule("tiny", str(demo_dir() / "train.jsonl")).pretrained_dir == path

@@ -257,6 +257,8 @@ class SpeakerClipsDataModule(LightningDataModule):
         self.train_dataset: SpeakerClipsDataset | None = None
         self.val_dataset: SpeakerClipsDataset | None = None
         self._collate: TalkerCollate | None = None
+        # The report this instance last logged (JSON text): a repeat is not logged again.
+        self._logged_report: str | None = None
         # Resume: the train sampler and a state loaded before it exists.
         self._train_sampler: LengthBucketBatchSampler | None = None
         self._pending_sampler_state: dict | None = None
@@ -415,8 +417,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             config=config,
             warnings=train.warnings + (val.warnings if val else []),
         )
-        report.write_json(self.report_path)
-        rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
+        self._write_and_log_report(report)
         train.raise_if_empty(h.train_manifest)
         if val is not None:
             val.raise_if_empty(h.val_manifest)
@@ -516,6 +517,30 @@ class SpeakerClipsDataModule(LightningDataModule):
             f"{len(speakers)} speaker(s) in {self.prepared_path}"
         )
         return report
+
+    def _write_and_log_report(self, report: ValidationReport) -> None:
+        """Write report.json and show the report once: in full when it is new; as one line when
+        report.json already held the same report (shown when it was written, e.g. by `prepare` or
+        another process); not at all when this instance already showed it (``prepare()`` and then
+        ``trainer.fit``, whose ``prepare_data`` prepares again)."""
+        text = json.dumps(report.to_dict(), sort_keys=True)
+        if text == self._logged_report:
+            report.write_json(self.report_path)
+            return
+        try:
+            unchanged = json.dumps(json.loads(self.report_path.read_text(encoding="utf-8")), sort_keys=True) == text
+        except (OSError, ValueError):
+            unchanged = False
+        report.write_json(self.report_path)
+        self._logged_report = text
+        if unchanged:
+            flagged = f", {len(report.warnings)} flagged" if report.warnings else ""
+            rank_zero_info(
+                f"data report unchanged ({self.report_path}): {len(report.accepted)} clips accepted, "
+                f"{len(report.rejected)} rejected{flagged}"
+            )
+        else:
+            rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
 
     def _validation_memo(self, manifest: str) -> Path:
         name = hashlib.sha256(str(Path(manifest).expanduser().absolute()).encode()).hexdigest()[:16]

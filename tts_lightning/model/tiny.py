@@ -442,3 +442,17 @@ def build_tiny_pretrained(
             if not (out / "tiny_model.json").is_file():
                 raise
     return out
+
+
+def default_tiny_dir() -> Path:
+    """The tiny base model (seed 0) that ``pretrained: tiny`` names, built on first use into the user
+    cache (``$TTS_LIGHTNING_CACHE``, else ``~/.cache/tts-lightning``) and reused afterwards.
+
+    Several processes (the ranks of a run) may ask at once: each builds in its own temporary folder
+    and renames it into place. A process that loses the race finds the winner's identical directory
+    on its second look; any other failure is raised again by that second look.
+    """
+    try:
+        return build_tiny_pretrained()
+    except OSError:
+        return build_tiny_pretrained()
