@@ -118,13 +118,19 @@ TOOLS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tts_lightning import console
+
+    console.install()  # known third-party noise off the console (see tts_lightning/console.py)
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
         return TOOLS[argv[0]](argv[1:])
     if argv and argv[0] in LIGHTNING_COMMANDS:
         from tts_lightning.cli import cli_main
 
-        cli_main(argv)
+        # From the command line LightningCLI reads sys.argv itself (given args, it warns that they
+        # are meant for calls from Python).
+        cli_main(None if from_command_line else argv)
         return 0
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
     print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)

@@ -29,6 +29,46 @@ def _checkpoint_dir(default_root_dir: str | None) -> str:
     return os.path.join(default_root_dir or "runs", "checkpoints")
 
 
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, counting optimizer steps (``step 12/60``) across epochs when
+    ``max_steps`` bounds the run; per-epoch batches otherwise."""
+
+    def _by_steps(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if not self._by_steps():
+            return super()._get_train_description(current_epoch)
+        description = f"step {self.trainer.global_step}/{self.trainer.max_steps}"
+        return f"{description:{len(self.validation_description)}}"
+
+    def _show_steps(self, trainer) -> None:
+        if self.progress is None or self.train_progress_bar_id is None:
+            return
+        self.progress.update(
+            self.train_progress_bar_id,
+            total=trainer.max_steps,
+            completed=min(trainer.global_step, trainer.max_steps),
+            description=self._get_train_description(trainer.current_epoch),
+        )
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        if self._by_steps() and not self.is_disabled:
+            self._show_steps(trainer)
+            self.refresh()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self._by_steps():
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.is_disabled:
+            return
+        self._show_steps(trainer)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+
+
 class TTSLightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.pretrained", "model.pretrained")
@@ -47,6 +87,33 @@ class TTSLightningCLI(LightningCLI):
             }
         )
 
+    def after_fit(self) -> None:
+        """Say where the run's files went (rank 0 only; nothing collective here)."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        ckpt = trainer.checkpoint_callback
+        if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
+            saved = [f"last: {ckpt.last_model_path}" if ckpt.last_model_path else "",
+                     f"best: {ckpt.best_model_path}" if ckpt.best_model_path else ""]
+            saved = "; ".join(s for s in saved if s) or "none written"
+            print(f"checkpoints: {ckpt.dirpath} ({saved})")
+        elif not trainer.checkpoint_callbacks:
+            print("checkpoints: none (checkpointing is off)")
+        if log_dir:
+            print(f"logs: {log_dir}")
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """The trainer, with the `checkpoint:` ModelCheckpoint only while checkpointing is on:
+        ``--trainer.enable_checkpointing false`` turns it off (Lightning refuses a ModelCheckpoint
+        callback when checkpointing is disabled)."""
+        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        keys = self._parser(self.subcommand).callback_keys
+        if trainer_config.get("enable_checkpointing") is False:
+            keys = [k for k in keys if k != "checkpoint"]
+        return self._instantiate_trainer(trainer_config, [self._get(self.config_init, k) for k in keys])
+
 
 def trainer_defaults() -> dict[str, Any]:
     """The default logger (a config's ``trainer.logger`` replaces it) and callbacks."""
@@ -55,7 +122,7 @@ def trainer_defaults() -> dict[str, Any]:
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="qwen3-tts"),
         "callbacks": [
             lazy_instance(LearningRateMonitor, logging_interval="step"),
-            lazy_instance(RichProgressBar),
+            lazy_instance(StepProgressBar),  # "step 12/60" when max_steps bounds the run
         ],
     }
 

@@ -1,0 +1,113 @@
+"""The console shows what a user acts on: `make demo`'s commands (with a shorter fit) print the data
+report, the metrics, the progress in steps and where the files went, within a line budget, without
+the known third-party noise; `--trainer.enable_checkpointing false` writes no checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tts_lightning import console
+from tts_lightning.data.demo import demo_dir
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+LINE_BUDGET = 120
+NOISE = ("flash-attn", "SoX", "sox:", "LeafSpec", "pad_token_id", "_get_pg_default_device", "ShardedTensor",
+         "litlogger", "/-2", "LightningCLI's args parameter")
+
+
+def run(args: list[str], cwd: Path, timeout: int = 600) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args}\n{proc.stdout[-6000:]}"
+    return proc.stdout
+
+
+def demo_commands() -> list[list[str]]:
+    """`make demo`'s tts-lightning commands, as make prints them."""
+    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
+    import shlex
+
+    return [shlex.split(line.split("bin/tts-lightning ", 1)[1]) for line in lines if "bin/tts-lightning " in line]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_dir):
+    """A scratch folder laid out like the repository (configs/, the demo clips, runs/tiny-model)."""
+    root = tmp_path_factory.mktemp("console")
+    (root / "configs").symlink_to(REPO / "configs")
+    (root / "tts_lightning").symlink_to(demo_dir().parent)
+    (root / "runs").mkdir()
+    (root / "runs" / "tiny-model").symlink_to(tiny_dir)
+    return root
+
+
+def test_demo_commands_print_what_matters_within_the_budget(workspace, capsys):
+    commands = demo_commands()
+    assert [c[0] for c in commands] == ["tiny-model", "fit", "export", "synthesize"]
+    outputs = {}
+    for command in commands[1:]:  # tiny-model: the fixture built the same model
+        extra = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"] if command[0] == "fit" else []
+        outputs[command[0]] = run(command + extra, workspace)
+    text = "\n".join(outputs.values())
+    lines = text.splitlines()
+    assert len(lines) <= LINE_BUDGET, f"{len(lines)} lines:\n{text}"
+    for noise in NOISE:
+        assert noise not in text, f"{noise!r} is back on the console:\n{text}"
+    with capsys.disabled():
+        print(f"\n[console] make demo's commands (4-step fit) printed {len(lines)} lines")
+
+    fit = outputs["fit"]
+    assert fit.count("data report (") == 1 and "accepted 24 clips" in fit
+    assert re.search(r"step 4/4\b", fit)  # steps, not "Epoch 1/-2"
+    assert "val/loss" in fit and "train/loss" in fit  # the metrics
+    assert f"checkpoints: {workspace / 'runs' / 'tiny-cpu' / 'checkpoints'} (last: " in fit
+    assert "logs: runs/tiny-cpu/tensorboard" in fit
+    assert str(Path("runs/tiny-cpu/voice")) in outputs["export"]
+    assert "runs/tiny-cpu/hello_alice.wav" in outputs["synthesize"]
+
+
+def test_fit_without_checkpointing_writes_no_checkpoint(workspace):
+    out = run(["fit", "--config", "configs/tiny-cpu.yaml", "--data.pretrained", "runs/tiny-model", "--trainer.max_steps", "2",
+               "--trainer.val_check_interval", "2", "--trainer.enable_checkpointing", "false",
+               "--trainer.default_root_dir", "runs/no-ckpt", "--trainer.logger.init_args.save_dir", "runs/no-ckpt"],
+              workspace)
+    assert "checkpoints: none (checkpointing is off)" in out and "step 2/2" in out
+    assert not list((workspace / "runs" / "no-ckpt").rglob("*.ckpt"))
+    assert not (workspace / "runs" / "no-ckpt" / "checkpoints").exists()
+
+
+def test_quiet_output_drops_only_the_known_banners(capfd):
+    with console.quiet_output():
+        print(console.FLASH_ATTN_BANNER, end="")
+        os.system("echo from-a-child-process; echo " + "'" + console.SOX_SHELL_LINE.strip() + "' >&2")
+        print("a message of ours")
+        print("SoX could not be found! (not the exact banner)", file=sys.stderr)
+    out, err = capfd.readouterr()
+    assert out == "from-a-child-process\na message of ours\n"
+    assert err == "SoX could not be found! (not the exact banner)\n"
+
+
+def test_quiet_output_keeps_everything_when_the_body_fails(capfd):
+    with pytest.raises(RuntimeError):
+        with console.quiet_output():
+            print(console.FLASH_ATTN_BANNER, end="")
+            raise RuntimeError("import failed")
+    assert "flash-attn" in capfd.readouterr().out
+
+
+def test_the_installed_filters_silence_qwen_tts_import_alone():
+    code = ("from tts_lightning import console; console.install(); import qwen_tts; import warnings; "
+            "print('imported', qwen_tts.Qwen3TTSModel.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "imported Qwen3TTSModel\n" and proc.stderr == ""
