@@ -45,6 +45,7 @@ from tts_lightning.data.speakers import (
     load_speaker_table,
     select_references,
 )
+from tts_lightning.data.subtitles import cut_subtitled, subtitle_speakers
 from tts_lightning.data.validation import AcceptedClip, ValidationConfig, ValidationReport, validate_clips
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_text
@@ -184,6 +185,8 @@ class SpeakerClipsDataModule(LightningDataModule):
             per second of speech may lie from its speaker's before it counts as
             ``transcript_mismatch``; rates outside 1-35 characters per second always do.
         mismatch_action: "reject" mismatched clips, or "flag" them.
+        subtitle_target_seconds: a long recording with an ``.srt``/``.vtt`` beside it is cut at its
+            cues; adjacent cues of one speaker are merged into clips of up to this many seconds.
         normalize: None, "peak" or "rms" loudness normalisation before encoding.
         trim_silence: trim leading/trailing silence before encoding.
         num_reference_clips: clips averaged for a speaker's embedding when its records give no
@@ -214,6 +217,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         clipped_action: Literal["reject", "flag"] = "reject",
         max_rate_zscore: float = 3.5,
         mismatch_action: Literal["reject", "flag"] = "reject",
+        subtitle_target_seconds: float = 10.0,
         normalize: Optional[Literal["peak", "rms"]] = None,
         trim_silence: bool = False,
         num_reference_clips: int = 3,
@@ -317,6 +321,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             "clipped_action": h.clipped_action,
             "max_rate_zscore": h.max_rate_zscore,
             "mismatch_action": h.mismatch_action,
+            "subtitle_target_seconds": h.subtitle_target_seconds,
             "normalize": h.normalize,
             "trim_silence": h.trim_silence,
             "num_reference_clips": h.num_reference_clips,
@@ -338,7 +343,10 @@ class SpeakerClipsDataModule(LightningDataModule):
         if self._manifest_speakers is None:
             h = self.hparams
             records = load_manifest(h.train_manifest, h.default_speaker, h.manifest_encoding).records
-            self._manifest_speakers = sorted({r.speaker for r in records})
+            speakers = set()
+            for r in records:
+                speakers |= {r.speaker} if r.subtitles is None else subtitle_speakers(r, h.manifest_encoding)
+            self._manifest_speakers = sorted(speakers)
         return list(self._manifest_speakers)
 
     def speaker_embeddings(self) -> Tensor:
@@ -383,18 +391,13 @@ class SpeakerClipsDataModule(LightningDataModule):
             cache_dir, info, normalize=h.normalize, trim_silence=h.trim_silence, device=h.prepare_device
         )
 
-        train = validate_with_memo(
-            load_manifest(h.train_manifest, h.default_speaker, h.manifest_encoding),
-            config,
-            self._validation_memo(h.train_manifest),
-        )
+        train_manifest, segments = self._read_manifest(h.train_manifest)
+        train = validate_with_memo(train_manifest, config, self._validation_memo(h.train_manifest))
         val: ValidationReport | None = None
         if h.val_manifest is not None:
-            val = validate_with_memo(
-                load_manifest(h.val_manifest, h.default_speaker, h.manifest_encoding),
-                config,
-                self._validation_memo(h.val_manifest),
-            )
+            val_manifest, val_segments = self._read_manifest(h.val_manifest)
+            segments += val_segments
+            val = validate_with_memo(val_manifest, config, self._validation_memo(h.val_manifest))
             # The same audio in both sets would make the validation loss meaningless.
             in_train = {c.content_hash: c.record.source for c in train.accepted}
             kept = []
@@ -416,6 +419,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             rejected=train.rejected + (val.rejected if val else []),
             config=config,
             warnings=train.warnings + (val.warnings if val else []),
+            segments=[asdict(s) for s in segments],
         )
         self._write_and_log_report(report)
         train.raise_if_empty(h.train_manifest)
@@ -517,6 +521,16 @@ class SpeakerClipsDataModule(LightningDataModule):
             f"{len(speakers)} speaker(s) in {self.prepared_path}"
         )
         return report
+
+    def _read_manifest(self, path: str) -> tuple[ManifestResult, list]:
+        """The manifest's records, long subtitled recordings cut into clips (cached in
+        ``<cache_dir>/segments``), and the segments cut."""
+        h = self.hparams
+        manifest = load_manifest(path, h.default_speaker, h.manifest_encoding)
+        return cut_subtitled(
+            manifest, self.cache_dir / "segments", target_seconds=h.subtitle_target_seconds,
+            encoding=h.manifest_encoding,
+        )
 
     def _write_and_log_report(self, report: ValidationReport) -> None:
         """Write report.json and show the report once: in full when it is new; as one line when

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 AUDIO_EXTENSIONS: frozenset[str] = frozenset({".wav", ".flac", ".ogg", ".mp3"})
+SUBTITLE_EXTENSIONS = (".srt", ".vtt")
 
 # Every rejection reason code used by the data pipeline (manifest + validation).
 REJECTION_REASONS: frozenset[str] = frozenset(
@@ -86,6 +87,8 @@ class ClipRecord:
     language: str = "auto"
     # Pre-computed codec codes (T x 16 ints) from a prepared JSONL; nested tuples so the record stays hashable.
     audio_codes: tuple[tuple[int, ...], ...] | None = None
+    # A long recording to cut at these subtitles' cues (tts_lightning.data.subtitles); text is empty.
+    subtitles: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,15 @@ class Rejection:
 class ManifestResult:
     records: list[ClipRecord]
     rejected: list[Rejection]
+
+
+def subtitles_for(audio: Path) -> Path | None:
+    """The ``.srt`` / ``.vtt`` file beside ``audio`` with the same stem, if any."""
+    for ext in SUBTITLE_EXTENSIONS:
+        for candidate in (audio.with_suffix(ext), audio.with_suffix(ext.upper())):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def _resolve(base: Path, value: str) -> Path:
@@ -159,6 +171,12 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
             rejected.append(Rejection(source, None, "malformed_entry", "missing or non-string 'audio' key"))
             continue
         text = entry.get("text")
+        subtitles = None
+        if text is None or (isinstance(text, str) and not text.strip()):
+            # No transcript of its own: a long recording when subtitles lie beside it.
+            subtitles = subtitles_for(_resolve(base, audio))
+            if subtitles is not None:
+                text = ""
         if not isinstance(text, str):
             rejected.append(Rejection(source, audio, "malformed_entry", "missing or non-string 'text' key"))
             continue
@@ -189,6 +207,7 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
                 ref_audio=_resolve(base, ref) if ref and ref.strip() else None,
                 language=language or "auto",
                 audio_codes=codes,
+                subtitles=subtitles,
             )
         )
     return ManifestResult(records, rejected)
@@ -277,6 +296,13 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
         # The first sub-folder names the speaker, whatever depth lies below it.
         speaker = rel.parts[0] if len(rel.parts) > 1 else default_speaker
         txt = audio.with_suffix(".txt")
+        subtitles = None if txt.is_file() else subtitles_for(audio)
+        if subtitles is not None:
+            records.append(
+                ClipRecord(audio=Path(_normpath(audio)), text="", speaker=speaker, source=source,
+                           subtitles=Path(_normpath(subtitles)))
+            )
+            continue
         if not txt.is_file():
             rejected.append(
                 Rejection(source, str(audio), "no_transcript", f"no transcript file {txt.name} next to {source}")

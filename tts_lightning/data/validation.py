@@ -71,6 +71,8 @@ class ValidationReport:
     rejected: list[Rejection] = field(default_factory=list)
     config: ValidationConfig = field(default_factory=ValidationConfig)
     warnings: list[Rejection] = field(default_factory=list)
+    # Clips cut from long recordings at their subtitles (tts_lightning.data.subtitles.Segment as dicts).
+    segments: list[dict] = field(default_factory=list)
 
     @property
     def total_duration(self) -> float:
@@ -97,6 +99,7 @@ class ValidationReport:
             "config": asdict(self.config),
             "rejections": [asdict(r) for r in self.rejected],
             "warnings": [asdict(w) for w in self.warnings],
+            "segments": list(self.segments),
         }
 
     def write_json(self, path: str | Path) -> Path:
@@ -110,6 +113,12 @@ class ValidationReport:
             f"from {len(speakers)} speaker(s); rejected {len(self.rejected)}"
         ]
         lines += [f"  {reason}: {n}" for reason, n in self.reason_counts().items()]
+        if self.segments:
+            recordings = len({s["recording"] for s in self.segments})
+            lines.append(
+                f"cut {recordings} long recording(s) at their subtitles into {len(self.segments)} clip(s) "
+                "(listed under segments in the report)"
+            )
         if self.warnings:
             lines.append(f"warnings: {len(self.warnings)} accepted clip(s) flagged (trained on; see the report)")
             lines += [f"  {reason}: {n}" for reason, n in self.warning_counts().items()]
