@@ -74,6 +74,8 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
     parser.add_argument("--pretrained", help="base directory (default: the one the run trained from)")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="unpickle everything in the checkpoint (can run code: only for a file you trust)")
     args = parser.parse_args(argv)
     from tts_lightning.model.checkpoint import CheckpointError
     from tts_lightning.model.export import ExportError, export_custom_voice
@@ -81,7 +83,7 @@ def _export(argv: list[str]) -> int:
 
     try:
         out = export_custom_voice(args.ckpt, args.out, dtype=args.dtype, pretrained=args.pretrained,
-                                  overwrite=args.overwrite)
+                                  overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
     except (ExportError, CheckpointError, PretrainedError) as exc:
         print(f"tts-lightning export: error: {exc}", file=sys.stderr)
         return 1

@@ -107,7 +107,7 @@ def test_needs_tensorboard_or_similarity(tiny_dir, make_datamodule, tmp_path, mo
     data = make_datamodule()
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
     samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=4, similarity=False)
-    monkeypatch.setattr(samples, "_sample", lambda *a: pytest.fail("generated with nothing to log to"))
+    monkeypatch.setattr(samples, "_generate", lambda *a: pytest.fail("generated with nothing to log to"))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
                         num_sanity_val_steps=0, logger=CSVLogger(tmp_path), callbacks=[samples],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

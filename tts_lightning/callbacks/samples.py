@@ -6,11 +6,13 @@ and logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' re
 that a `ModelCheckpoint` can monitor it.
 
 Under FSDP the weights are flat shards outside the training step. Every rank enters
-``FullyShardedDataParallel.summon_full_params(rank0_only=True, writeback=False)`` (one all-gather
-per unit, on all ranks, in the same order); only rank 0 keeps the full weights and generates, with
-FSDP's per-unit forward bypassed so that nothing inside generation is collective. Then every rank
-takes part in one broadcast of rank 0's result and logs the same key, so the metric's epoch-end
-reduction is entered by all ranks. Nothing collective depends on what rank 0 generated, so ranks
+``FullyShardedDataParallel.summon_full_params(rank0_only=True, offload_to_cpu=True)`` (one
+all-gather per unit, on all ranks, in the same order); rank 0 receives the full weights in host
+memory, copies them into a plain model in the run's compute dtype on its device (bf16 under
+bf16-mixed: 3.6 GiB for the 1.7B, never the 7.2 GiB fp32 model) and generates with it, with no
+collective inside generation; the copy is freed before the speech tokenizer, kept in host memory,
+visits the GPU to decode. Then every rank takes part in one broadcast of rank 0's result and logs
+the same key, so the metric's epoch-end reduction is entered by all ranks. Nothing collective depends on what rank 0 generated, so ranks
 cannot fall out of step; if generation fails on rank 0 the failure is broadcast and every rank
 raises instead of waiting.
 """
@@ -38,45 +40,48 @@ METRIC_NAME = "val/speaker_similarity"
 
 
 @contextlib.contextmanager
-def local_generation(root: nn.Module) -> Iterator[None]:
-    """Inside ``summon_full_params``, on the rank that holds the full weights: make every FSDP unit
-    under ``root`` run its wrapped module directly and keep Hugging Face generation from syncing
-    with other ranks (``synced_gpus`` is switched on for FSDP-managed modules), so that generation
-    issues no collective at all."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[nn.Module | None]:
+    """Collective on all ranks: a plain model to generate with on global rank 0, None elsewhere.
 
-    units = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
-    managed = [m for m in root.modules() if m.__dict__.get("_is_fsdp_managed_module", False)]
-    try:
-        for unit in units:
-            # An instance attribute shadows FSDP.forward; `nn.Module.__call__` looks it up.
-            unit.__dict__["forward"] = unit._fsdp_wrapped_module.__call__
-        for module in managed:
-            module.__dict__["_is_fsdp_managed_module"] = False
-        yield
-    finally:
-        for unit in units:
-            unit.__dict__.pop("forward", None)
-        for module in managed:
-            module.__dict__["_is_fsdp_managed_module"] = True
-
-
-@contextlib.contextmanager
-def full_weights_on_rank_zero(trainer: pl.Trainer) -> Iterator[None]:
-    """Collective on all ranks: under FSDP, gather the full (full-precision) weights on global
-    rank 0 and keep the shards elsewhere; without FSDP the weights are already whole."""
+    Under FSDP the full weights are gathered to *host* memory on rank 0 only (the other ranks keep
+    their shards), copied into a fresh model in the run's compute dtype (bf16 under bf16-mixed) on
+    rank 0's device, and the host copy is released before generation starts: the GPU holds the
+    copy (2 bytes per parameter) only while sampling, never the fp32 model. Generation then issues
+    no collective at all. Without FSDP the module's own model is used, on rank 0."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     root = trainer.strategy.model
     if not isinstance(root, FullyShardedDataParallel):
+        yield pl_module.model if trainer.is_global_zero else None
+        return
+    from tts_lightning.model.generation import compute_dtype
+    from tts_lightning.model.loading import copy_model
+
+    dtype = compute_dtype(pl_module.model)
+    with FullyShardedDataParallel.summon_full_params(root, writeback=False, rank0_only=True, offload_to_cpu=True):
+        model = copy_model(pl_module.model, dtype=dtype, device=pl_module.device) if trainer.is_global_zero else None
+    try:
+        yield model
+    finally:
+        del model
+        if pl_module.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def speech_tokenizer_on(tokenizer, device: torch.device) -> Iterator[None]:
+    """Keep the speech tokenizer in host memory except while it decodes on ``device``."""
+    if device.type == "cpu":
         yield
         return
-    with FullyShardedDataParallel.summon_full_params(root, writeback=False, rank0_only=True):
-        if trainer.is_global_zero:
-            with local_generation(root):
-                yield
-        else:
-            yield
+    tokenizer.model.to(device)
+    tokenizer.device = device
+    try:
+        yield
+    finally:
+        tokenizer.model.to("cpu")
+        tokenizer.device = torch.device("cpu")
+        torch.cuda.empty_cache()
 
 
 def mel_image(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, n_mels: int = 80, top_db: float = 80.0) -> Tensor:
@@ -142,7 +147,8 @@ class SpeakerSamplesCallback(Callback):
         self.speakers = None if speakers is None else list(speakers)
         self.validation_runs = 0
         self._warned: set[str] = set()
-        self._tools: tuple | None = None  # (text tokenizer, speech tokenizer), rank 0 only
+        self._text = None  # text tokenizer, rank 0 only
+        self._speech = None  # speech tokenizer, rank 0 only, kept in host memory
         self._index: dict | None = None
         self._references: dict[str, Tensor] = {}
 
@@ -178,15 +184,22 @@ class SpeakerSamplesCallback(Callback):
             return
         similarity: float | None = None
         error: BaseException | None = None
-        with full_weights_on_rank_zero(trainer):
-            if trainer.is_global_zero:
+        generated = None
+        # Sampling, and building the tokenizers and the encoder (random init before loading), draw
+        # from the global RNG: training's stream must not see it.
+        with generation_model(trainer, pl_module) as model:
+            if model is not None:
                 try:
-                    # Sampling, and building the tokenizers and the encoder (random init before
-                    # loading), draw from the global RNG: training's stream must not see it.
                     with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
-                        similarity = self._sample(trainer, pl_module, loggers, scoring)
+                        generated = self._generate(trainer, pl_module, model)
                 except Exception as exc:  # raised on every rank below, after the broadcast
                     error = exc
+        if generated is not None:  # rank 0, the generation copy freed
+            try:
+                with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
+                    similarity = self._log_and_score(trainer, pl_module, generated, loggers, scoring)
+            except Exception as exc:
+                error = exc
         shared = trainer.strategy.broadcast(
             {"similarity": similarity, "error": None if error is None else f"{type(error).__name__}: {error}"},
             src=0,
@@ -201,20 +214,20 @@ class SpeakerSamplesCallback(Callback):
                           sync_dist=True, batch_size=1)
 
     # -- rank 0 ---------------------------------------------------------------------------------
-    def _sample(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list, scoring: bool) -> float | None:
+    def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
+        """(rows, codes) for every (speaker, text), or None when no speaker has an embedding yet."""
         speakers, embeddings = self._speaker_rows(trainer, pl_module)
         if not speakers:
             return None
-        text_tokenizer, speech_tokenizer = self._load_tools(pl_module)
+        text_tokenizer = self._text_tokenizer(pl_module)
         from tts_lightning.model.sequence import tokenize_text
 
         rows = [(s, i) for s in speakers for i in range(len(self.texts))]
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self._language(trainer, s) for s, _ in rows]
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
-        model = pl_module.model
-        modes = {m: m.training for m in pl_module.modules()}
-        pl_module.eval()
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
         try:
             with torch.no_grad():
                 codes = generate_codes(
@@ -224,7 +237,14 @@ class SpeakerSamplesCallback(Callback):
         finally:
             for module, training in modes.items():
                 module.training = training
-        wavs = decode_codes(speech_tokenizer, codes)
+        return rows, codes
+
+    def _log_and_score(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generated: tuple,
+                       loggers: list, scoring: bool) -> float | None:
+        rows, codes = generated
+        speech_tokenizer = self._speech_tokenizer(pl_module)
+        with speech_tokenizer_on(speech_tokenizer, pl_module.device):
+            wavs = decode_codes(speech_tokenizer, codes)
         step = int(trainer.global_step)
         for logger in loggers:
             writer = logger.experiment
@@ -283,13 +303,20 @@ class SpeakerSamplesCallback(Callback):
             return False
         return True
 
-    def _load_tools(self, pl_module: pl.LightningModule) -> tuple:
-        if self._tools is None:
-            from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+    def _text_tokenizer(self, pl_module: pl.LightningModule):
+        if self._text is None:
+            from tts_lightning.model.pretrained import check_pretrained, load_text_tokenizer
 
-            info = check_pretrained(pl_module.hparams.pretrained)
-            self._tools = (load_text_tokenizer(info), load_speech_tokenizer(info, device=pl_module.device))
-        return self._tools
+            self._text = load_text_tokenizer(check_pretrained(pl_module.hparams.pretrained))
+        return self._text
+
+    def _speech_tokenizer(self, pl_module: pl.LightningModule):
+        """Loaded once, in host memory (`speech_tokenizer_on` moves it to the GPU to decode)."""
+        if self._speech is None:
+            from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
+
+            self._speech = load_speech_tokenizer(check_pretrained(pl_module.hparams.pretrained), device="cpu")
+        return self._speech
 
     def _prepared_index(self, trainer: pl.Trainer) -> dict | None:
         """The data module's ``prepared.json`` (speakers, their reference clips, clip languages)."""

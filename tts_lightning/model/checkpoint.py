@@ -1,18 +1,36 @@
 """Read a Lightning training checkpoint of `Qwen3TTSModule`, full (one file) or sharded (a folder
-written by FSDP with any number of ranks), into one CPU state dict."""
+written by FSDP with any number of ranks), reading only what is asked for.
+
+- **Safe to load**: only tensors and plain data are unpickled (``torch.load(weights_only=True)``),
+  so a checkpoint whose pickle would run code is refused before any code runs. ``trust=True``
+  (``--trust-checkpoint``) opts in to a full unpickle, for a legacy file you made yourself.
+- **Sharded**: the model's tensors are read from the ``torch.distributed.checkpoint`` files by key;
+  the optimizer state in the same files is never read. Hyper-parameters and the step come from
+  Lightning's ``meta.pt``.
+- **Full**: the file is memory-mapped, so its optimizer state is never read into memory either.
+"""
 
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+MODEL_PREFIX = "model."  # Lightning's sharded layout: {"model": module state, "optimizer_0": ...}
+TRUST_HINT = (
+    "If you made this checkpoint yourself and trust it, pass --trust-checkpoint "
+    "(trust=True in Python) to load it anyway."
+)
+
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or not one of this project's."""
+    """A checkpoint is missing, unreadable, unsafe or not one of this project's."""
 
 
 @dataclass
@@ -27,32 +45,94 @@ class TrainingCheckpoint:
         return {k[len("model."):]: v for k, v in self.state_dict.items() if k.startswith("model.")}
 
 
-def load_training_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+def _torch_load(path: Path | str, *, trust: bool, mmap: bool = False) -> Any:
     try:
-        if path.is_dir():
-            from lightning.fabric.utilities.load import _load_distributed_checkpoint
-            from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+        return torch.load(path, map_location="cpu", weights_only=not trust, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        if trust:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"refusing to load {path}: it holds pickled objects other than tensors and plain data, "
+            f"which can run code when loaded ({first}). {TRUST_HINT}"
+        ) from exc
 
-            if not (path / ".metadata").is_file():
-                raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
-            raw = _format_checkpoint(_load_distributed_checkpoint(path))
-        else:
-            raw = torch.load(path, map_location="cpu", weights_only=False)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # truncated, corrupt or foreign files all surface here
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(raw, dict) or "state_dict" not in raw:
-        raise CheckpointError(f"{path} is not a Lightning checkpoint (no state_dict)")
-    state = raw["state_dict"]
-    if not any(k.startswith("model.talker.") for k in state):
-        raise CheckpointError(f"{path} holds no Qwen3-TTS weights (no model.talker.* keys)")
-    return TrainingCheckpoint(
-        path=path,
-        state_dict={k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
-        hyper_parameters=dict(raw.get("hyper_parameters") or {}),
-        global_step=int(raw.get("global_step", 0)),
-    )
+
+class CheckpointReader:
+    """The tensors of a training checkpoint's module state, read on demand.
+
+    ``tensor_keys()`` lists the module's keys (``model.talker...``, ``speaker_embeddings``);
+    ``read(keys)`` returns just those, in their stored dtype, on the CPU.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, trust: bool = False) -> None:
+        self.path = path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {path} does not exist")
+        self.sharded = path.is_dir()
+        try:
+            if self.sharded:
+                if not (path / ".metadata").is_file():
+                    raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
+                from torch.distributed.checkpoint import FileSystemReader
+
+                metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                self._sizes = {
+                    fqn[len(MODEL_PREFIX):]: (m.size, m.properties.dtype)
+                    for fqn, m in metadata.items()
+                    if fqn.startswith(MODEL_PREFIX) and hasattr(m, "size")
+                }
+                meta_file = path / "meta.pt"
+                raw = _torch_load(meta_file, trust=trust) if meta_file.is_file() else {}
+                self._full: dict[str, Any] = {}
+            else:
+                raw = _torch_load(path, trust=trust, mmap=True)
+                if not isinstance(raw, dict) or "state_dict" not in raw:
+                    raise CheckpointError(f"{path} is not a Lightning checkpoint (no state_dict)")
+                self._full = {k: v for k, v in raw["state_dict"].items() if isinstance(v, torch.Tensor)}
+                self._sizes = {k: (v.shape, v.dtype) for k, v in self._full.items()}
+        except CheckpointError:
+            raise
+        except Exception as exc:  # truncated, corrupt or foreign files all surface here
+            raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path} is not a Lightning checkpoint")
+        if not any(k.startswith("model.talker.") for k in self._sizes):
+            raise CheckpointError(f"{path} holds no Qwen3-TTS weights (no model.talker.* keys)")
+        self.hyper_parameters: dict[str, Any] = dict(raw.get("hyper_parameters") or {})
+        self.global_step = int(raw.get("global_step", 0))
+
+    def tensor_keys(self) -> list[str]:
+        return list(self._sizes)
+
+    def numel(self, key: str) -> int:
+        return int(torch.Size(self._sizes[key][0]).numel())
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self._sizes]
+        if unknown:
+            raise CheckpointError(f"{self.path} has no tensor(s) {unknown[:5]}")
+        if not self.sharded:
+            return {k: self._full[k] for k in keys}
+        from torch.distributed.checkpoint import FileSystemReader, load
+
+        target = {
+            MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=self._sizes[k][1]) for k in keys
+        }
+        try:
+            with warnings.catch_warnings():  # no_dist is meant: one process reads
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                load(target, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read checkpoint {self.path}: {type(exc).__name__}: {exc}") from exc
+        return {k: target[MODEL_PREFIX + k] for k in keys}
+
+
+def load_training_checkpoint(path: str | os.PathLike, *, trust: bool = False,
+                             keys: Sequence[str] | None = None) -> TrainingCheckpoint:
+    """The module state (all tensors, or ``keys``), hyper-parameters and step of a checkpoint."""
+    reader = CheckpointReader(path, trust=trust)
+    state = reader.read(reader.tensor_keys() if keys is None else keys)
+    return TrainingCheckpoint(path=reader.path, state_dict=state, hyper_parameters=reader.hyper_parameters,
+                              global_step=reader.global_step)

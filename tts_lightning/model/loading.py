@@ -110,3 +110,21 @@ class MetaWeights:
                 self.materialize(module, device=device)
         self.reader.close()
         return model
+
+
+def copy_model(model: nn.Module, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """A plain, frozen copy of ``model`` in ``dtype`` on ``device``, built from its parameters as they
+    are now (under FSDP: inside ``summon_full_params``, whose wrapper prefixes are dropped from the
+    names). One parameter is copied at a time, so the copy is the only extra memory."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    from transformers.integrations.accelerate import init_empty_weights
+
+    source = {clean_tensor_name(name): param for name, param in model.named_parameters()}
+    with init_empty_weights(include_buffers=False):
+        copy = type(model)(model.config)
+    with torch.no_grad():
+        for prefix, module in copy.named_modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                value = source[f"{prefix}.{name}" if prefix else name].detach()
+                module._parameters[name] = nn.Parameter(value.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+    return copy.to(device).eval()
