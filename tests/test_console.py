@@ -50,13 +50,20 @@ def workspace(tmp_path_factory, tiny_dir):
     return root
 
 
-def test_demo_commands_print_what_matters_within_the_budget(workspace, capsys):
+@pytest.fixture(scope="module")
+def demo_outputs(workspace) -> dict[str, str]:
+    """What `make demo`'s commands print (a 4-step fit), by command."""
     commands = demo_commands()
     assert [c[0] for c in commands] == ["tiny-model", "fit", "export", "synthesize"]
     outputs = {}
     for command in commands[1:]:  # tiny-model: the fixture built the same model
         extra = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"] if command[0] == "fit" else []
         outputs[command[0]] = run(command + extra, workspace)
+    return outputs
+
+
+def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outputs, capsys):
+    outputs = demo_outputs
     text = "\n".join(outputs.values())
     lines = text.splitlines()
     assert len(lines) <= LINE_BUDGET, f"{len(lines)} lines:\n{text}"
@@ -111,3 +118,25 @@ def test_the_installed_filters_silence_qwen_tts_import_alone():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "imported Qwen3TTSModel\n" and proc.stderr == ""
+
+
+def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_path):
+    """The exported folder does not fit on a 1 MiB file system: one line naming the folder and the
+    free space, no traceback, nothing left on that file system."""
+    fs = tmp_path / "small"
+    fs.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(fs)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "tts_lightning", "export", "--dtype", "fp32",
+                               "--ckpt", "runs/tiny-cpu/checkpoints/last.ckpt", "--out", str(fs / "voice")],
+                              cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.startswith(f"tts-lightning export: error: cannot write {fs / 'voice'}: no space left on device (")
+        assert "free there" in proc.stderr and "Traceback" not in proc.stderr
+        assert list(fs.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False, capture_output=True)

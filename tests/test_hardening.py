@@ -144,3 +144,29 @@ def test_prepare_on_a_full_disk_stops_clearly_and_a_rerun_continues(small_fs, ti
     assert len(list(cache.rglob("*.npy"))) == 24 and _leftovers(cache) == []
     assert {f: f.stat().st_mtime_ns for f in written} == stamps  # kept, not encoded again
     assert (cache / "prepared.json").is_file()
+
+
+def test_torch_and_safetensors_writers_on_a_full_disk(small_fs):
+    """torch.save (the speaker table) wraps the OSError in a RuntimeError; safetensors (the export)
+    raises its own error type: both come out as the same WriteError."""
+    import pickle
+
+    import torch
+    from safetensors.torch import save_file
+
+    fs = small_fs("64k")
+    with pytest.raises(WriteError) as err:
+        atomic_write(fs / "speakers" / "table.pt", lambda fh: torch.save({"embeddings": torch.zeros(100_000)}, fh))
+    assert err.value.errno == errno.ENOSPC and f"cannot write {fs / 'speakers' / 'table.pt'}" in str(err.value)
+    out = fs / "voice"
+    with pytest.raises(WriteError) as err:
+        with staged_directory(out) as tmp:
+            save_file({"w": torch.zeros(100_000)}, str(tmp / "model.safetensors"))
+    assert err.value.errno == errno.ENOSPC and f"cannot write {out}: no space left on device" in str(err.value)
+    assert _leftovers(fs) == [] and not out.exists()
+    again = pickle.loads(pickle.dumps(err.value))  # crosses process boundaries intact
+    assert isinstance(again, WriteError) and str(again) == str(err.value)
+
+    with pytest.raises(ValueError):  # other failures pass through unchanged
+        atomic_write(fs / "x.json", lambda fh: (_ for _ in ()).throw(ValueError("not a storage problem")))
+    assert _leftovers(fs) == []

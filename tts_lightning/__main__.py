@@ -126,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
-        return TOOLS[argv[0]](argv[1:])
+        from tts_lightning.files import WriteError
+
+        try:
+            return TOOLS[argv[0]](argv[1:])
+        except WriteError as exc:  # disk full, quota, permissions: one message, no traceback
+            print(f"tts-lightning {argv[0]}: error: {exc}", file=sys.stderr)
+            return 1
     if argv and argv[0] in LIGHTNING_COMMANDS:
         from tts_lightning.cli import cli_main
 

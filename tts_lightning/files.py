@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -68,6 +69,10 @@ class WriteError(OSError):
         self.written = written
         self.remaining = remaining
 
+    def __reduce__(self):  # crosses process boundaries (DataLoader workers, Ray) intact
+        return (_rebuild_write_error, (str(self.path), self.errno, self.strerror, self.free, self.needed,
+                                       self.written, self.remaining))
+
     @property
     def disk_full(self) -> bool:
         return self.errno in SPACE_ERRNOS
@@ -107,10 +112,36 @@ class WriteError(OSError):
         return "".join(parts)
 
 
-def _as_write_error(exc: OSError, path: Path, **facts) -> OSError:
-    if isinstance(exc, WriteError) or exc.errno not in SPACE_ERRNOS | ACCESS_ERRNOS:
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def storage_error(exc: BaseException) -> OSError | None:
+    """The disk-full or permission `OSError` behind ``exc``, or None. Writers wrap it: torch.save
+    raises a RuntimeError whose context is the OSError; safetensors (Rust) raises its own error
+    whose text ends in "(os error 28)"."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in SPACE_ERRNOS | ACCESS_ERRNOS:
+            return current
+        match = _RUST_IO_ERROR.search(str(current)) if not isinstance(current, OSError) else None
+        if match and int(match.group(1)) in SPACE_ERRNOS | ACCESS_ERRNOS:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _rebuild_write_error(path, code, strerror, free, needed, written, remaining) -> WriteError:
+    return WriteError(path, OSError(code, strerror), free=free, needed=needed, written=written, remaining=remaining)
+
+
+def _as_write_error(exc: BaseException, path: Path, **facts) -> BaseException:
+    if isinstance(exc, WriteError):
         return exc
-    return WriteError(path, exc, **facts)
+    cause = storage_error(exc)
+    return exc if cause is None else WriteError(path, cause, **facts)
 
 
 def _size(path: Path) -> int:
@@ -136,15 +167,14 @@ def atomic_write(
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
             write(fh)
         os.replace(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:
         written = _size(Path(tmp)) if tmp else None
         if tmp:
             Path(tmp).unlink(missing_ok=True)
-        raise _as_write_error(exc, path, needed=needed, written=written) from exc
-    except BaseException:
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
-        raise
+        error = _as_write_error(exc, path, needed=needed, written=written)
+        if error is exc:
+            raise
+        raise error from exc
     return path
 
 
@@ -168,11 +198,14 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         yield tmp
-    except OSError as exc:
+    except BaseException as exc:
         written = _size(tmp) if tmp is not None else None
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _as_write_error(exc, out, needed=needed, written=written) from exc
+        error = _as_write_error(exc, out, needed=needed, written=written)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
