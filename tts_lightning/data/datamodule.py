@@ -3,8 +3,12 @@
 ``prepare_data`` (one process per node) does all the slow, write-once work through `prepare`:
 read the manifests, validate every clip (``report.json``), encode missing codes into the codec
 cache, compute the speaker embeddings, and write ``prepared.json``, the index of what to train on.
-``setup`` (every process) only reads those files, never attributes set by ``prepare_data``, so
+``setup`` (every process) reads those files, never attributes set by ``prepare_data``, so
 it works in any process, and a fresh instance can ``setup`` from a cache prepared earlier.
+
+In a run of several processes ``prepare_data`` only validates; ``setup`` then splits the codec
+encoding over every rank (each re-reads the memoised validation from disk, encodes its share, and
+after a barrier the ``prepare_data`` rank writes the index), with the same bytes as one process.
 
 Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_cache``)::
 
@@ -23,7 +27,7 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -153,6 +157,17 @@ class _ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+
+@dataclass
+class _Plan:
+    """What `prepare` decided before encoding: the report and the clips to train on."""
+
+    report: ValidationReport
+    speakers: list[str]
+    clips: list[AcceptedClip]
+    val_hashes: set[str]
+    languages: dict[str, str]  # content hash -> language
 
 
 class SpeakerClipsDataModule(LightningDataModule):
@@ -371,7 +386,12 @@ class SpeakerClipsDataModule(LightningDataModule):
         )
 
     def prepare_data(self) -> None:
-        self.prepare()
+        """Lightning's hook (local rank 0 of each node). Alone: everything (`prepare`). In a run of
+        several processes: validation and the report only; `setup` then encodes on every rank."""
+        if self._distributed() is None:
+            self.prepare()
+        else:
+            self._plan()
 
     def prepare(self) -> ValidationReport:
         """Validate, encode, embed and index the data; return the validation report.
@@ -379,17 +399,52 @@ class SpeakerClipsDataModule(LightningDataModule):
         Usable without a Trainer. Raises ValueError when the training manifest has no usable
         clip (naming it and the main reasons) or a requested speaker has no accepted clip.
         """
+        plan = self._plan()
+        self._encode(plan.clips)
+        self._write_index(plan)
+        return plan.report
+
+    def _distributed(self) -> tuple[int, int, bool] | None:
+        """(world size, global rank, whether this rank finishes the index) when the attached
+        trainer runs several processes, else None. The finishing rank is the one that ran
+        ``prepare_data``: local rank 0 of each node (global rank 0 without ``prepare_data_per_node``)."""
+        trainer = self.trainer
+        if trainer is None or int(trainer.world_size) <= 1:
+            return None
+        rank = int(trainer.global_rank)
+        finisher = int(trainer.local_rank) == 0 if self.prepare_data_per_node else rank == 0
+        return int(trainer.world_size), rank, finisher
+
+    def _prepare_on_all_ranks(self, world: int, rank: int, finisher: bool) -> None:
+        """The codec encoding of `prepare`, split over the ranks of a run (called by `setup` on
+        every rank after ``prepare_data`` validated the data). Each rank encodes every
+        ``world``-th clip (sorted by duration, so the shares are even) into the cache, with the same
+        bytes a single process writes; after a barrier the finishing rank encodes whatever it still
+        cannot see (nothing when ``cache_dir`` is shared storage; the other nodes' shares when each
+        node has its own disk), computes the speaker embeddings and writes the index; all ranks
+        wait for it. Only the strategy's own ``barrier`` is used (no tensors, any backend)."""
+        strategy = self.trainer.strategy
+        plan = self._plan(report_it=False)  # the same plan on every rank: validation is memoised on disk
+        ordered = sorted(plan.clips, key=lambda c: (c.duration, c.content_hash))
+        device = self.hparams.prepare_device or str(strategy.root_device)
+        self._encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
+        strategy.barrier("tts_lightning.prepare.encoded")
+        if finisher:
+            self._encode(plan.clips, device=device)
+            self._write_index(plan)
+        strategy.barrier("tts_lightning.prepare.indexed")
+
+    def _plan(self, *, report_it: bool = True) -> _Plan:
+        """Read the manifests, validate (memoised), and choose the clips, speakers, split and
+        languages; write and show the report when ``report_it``. Raises as `prepare` says."""
         h = self.hparams
         info = self.pretrained_info
-        cache_dir = self.cache_dir
         ids = SpecialIds.from_config(info.config)
         config = self._validation_config(
             h.min_duration, h.max_duration, h.max_clipped_fraction, h.clipped_action, h.max_rate_zscore,
             h.mismatch_action,
         )
-        cache = CodecCache(
-            cache_dir, info, normalize=h.normalize, trim_silence=h.trim_silence, device=h.prepare_device
-        )
+        cache = self._codec_cache()
 
         train_manifest, segments = self._read_manifest(h.train_manifest)
         train = validate_with_memo(train_manifest, config, self._validation_memo(h.train_manifest))
@@ -421,7 +476,8 @@ class SpeakerClipsDataModule(LightningDataModule):
             warnings=train.warnings + (val.warnings if val else []),
             segments=[asdict(s) for s in segments],
         )
-        self._write_and_log_report(report)
+        if report_it:
+            self._write_and_log_report(report)
         train.raise_if_empty(h.train_manifest)
         if val is not None:
             val.raise_if_empty(h.val_manifest)
@@ -456,7 +512,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             val_hashes = split_validation(train_clips, h.val_fraction, h.seed)
             clips = train_clips
         skipped = len(train.accepted) + (len(val.accepted) if val else 0) - len(clips)
-        if skipped:
+        if skipped and report_it:
             rank_zero_info(f"{skipped} accepted clip(s) of other speakers are not used (speakers={speakers})")
 
         languages = {}
@@ -467,18 +523,39 @@ class SpeakerClipsDataModule(LightningDataModule):
             except ValueError as exc:
                 raise ValueError(f"{c.record.source}: {exc}") from None
             languages[c.content_hash] = lang
+        return _Plan(report, speakers, clips, val_hashes, languages)
 
-        total = len(clips)
+    def _codec_cache(self, device: str | None = None) -> CodecCache:
+        h = self.hparams
+        return CodecCache(
+            self.cache_dir, self.pretrained_info, normalize=h.normalize, trim_silence=h.trim_silence,
+            device=device or h.prepare_device,
+        )
+
+    def _encode(self, clips: list[AcceptedClip], *, device: str | None = None, log: str = "") -> int:
+        """Encode the codes of ``clips`` that are not cached yet; return how many were encoded."""
+        h = self.hparams
+        cache = self._codec_cache(device)
 
         def progress(done: int, todo: int) -> None:  # about every 10%
             if done == todo or done * 10 // todo != max(0, done - h.encode_batch_size) * 10 // todo:
-                rank_zero_info(f"encoded {done}/{todo} clips")
+                rank_zero_info(f"{log}encoded {done}/{todo} clips")
 
         cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
         encoded = cache.encode_missing(clips, batch_size=h.encode_batch_size, progress=progress)
         cache.release()
-        rank_zero_info(f"codec cache: {encoded} clip(s) encoded, {total - encoded} already cached ({cache_dir})")
+        rank_zero_info(
+            f"{log}codec cache: {encoded} clip(s) encoded, {len(clips) - encoded} already cached ({self.cache_dir})"
+        )
+        return encoded
 
+    def _write_index(self, plan: _Plan) -> None:
+        """Speaker embeddings and prepared.json (the clips' codes must all be cached)."""
+        h = self.hparams
+        info = self.pretrained_info
+        cache_dir = self.cache_dir
+        cache = self._codec_cache()
+        clips, speakers, val_hashes, languages = plan.clips, plan.speakers, plan.val_hashes, plan.languages
         references = select_references(clips, speakers, h.num_reference_clips)
         table = compute_speaker_table(
             cache_dir, info, references, normalize=h.normalize, trim_silence=h.trim_silence,
@@ -520,7 +597,6 @@ class SpeakerClipsDataModule(LightningDataModule):
             f"prepared {len(clips)} clips ({len(clips) - n_val} train, {n_val} val) of "
             f"{len(speakers)} speaker(s) in {self.prepared_path}"
         )
-        return report
 
     def _read_manifest(self, path: str) -> tuple[ManifestResult, list]:
         """The manifest's records, long subtitled recordings cut into clips (cached in
@@ -592,6 +668,9 @@ class SpeakerClipsDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._index is not None:
             return
+        distributed = self._distributed()
+        if distributed is not None:
+            self._prepare_on_all_ranks(*distributed)
         index = self.read_index()
         cache_dir = self.cache_dir
         info = self.pretrained_info
