@@ -6,6 +6,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -26,3 +31,63 @@ def tiny_custom_voice_dir(tmp_path_factory):
     return build_tiny_pretrained(
         tmp_path_factory.mktemp("tiny") / "custom_voice", seed=0, model_type="custom_voice"
     )
+
+
+# The demo speakers prepared once for the whole session, with the settings of configs/tiny-cpu.yaml,
+# so that multi-process runs reuse the same cache instead of encoding again.
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory, tiny_dir):
+    from tts_lightning import SpeakerClipsDataModule
+
+    from tts_lightning.data.demo import demo_dir
+
+    root = tmp_path_factory.mktemp("samples")
+    shutil.copytree(demo_dir(), root / "demo", ignore=shutil.ignore_patterns(".*"))
+    manifest, cache = root / "demo" / "train.jsonl", root / "cache"
+    SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0,
+                           max_frames_per_batch=150).prepare()
+    return root, manifest, cache
+
+
+@pytest.fixture
+def make_datamodule(tiny_dir, demo_data):
+    """make_datamodule(**kwargs): a SpeakerClipsDataModule on the prepared demo data."""
+    from tts_lightning import SpeakerClipsDataModule
+
+    _, manifest, cache = demo_data
+
+    def make(**kwargs):
+        kwargs.setdefault("max_frames_per_batch", 150)
+        return SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache),
+                                      seed=0, **kwargs)
+
+    return make
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_script(script, *args, timeout: float, cwd=None) -> str:
+    """Run a test helper script in its own session (Lightning spawns its other ranks from it); on
+    timeout (a deadlock) the whole process group is killed and the test fails."""
+    import os
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return stdout + stderr
+
+
+@pytest.fixture(scope="session")
+def run_script():
+    """run_script(script, *args, timeout, cwd=None) -> output: one launcher for multi-process tests."""
+    return _run_script

@@ -1,0 +1,119 @@
+"""Run by tests/distributed/test_real_size_paths.py: `validate` with 2 FSDP ranks (Lightning spawns
+the second), and, once the strategy has set the model up, checks on every rank:
+
+- weights: the meta-built model materialized unit by unit (read on rank 0, broadcast) equals,
+  bit for bit, the model loaded the old way (random init + load_state_dict of the whole file);
+- devices: every tensor handed to a collective by the strategy's shard report, the speaker-table
+  sync and the strategy's reductions is on the root device, checked with the default device set to
+  "meta" so that a tensor made without an explicit device (NCCL refuses CPU tensors) is caught;
+- codebooks: rank 1's batch has no codebook 1..15 in its codec channel while rank 0's has all; both
+  run the forward through FSDP (a rank skipping a unit would hang or fail) and get the loss a plain
+  model gives for their batch.
+
+Writes ``<out>/rank<N>.json``.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from tts_lightning import Qwen3TTSModule, SpeakerClipsDataModule
+from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+from tts_lightning.model.loss import compute_loss
+from tts_lightning.model.pretrained import check_pretrained, load_config, load_state_dict
+from tts_lightning.model.sequence import NO_CODEC
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
+
+
+class DeviceRecorder:
+    """Records the device of every tensor given to torch.distributed's collectives (the real
+    collectives still run)."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+            self._saved[name] = real
+
+            def spy(tensor, *args, _real=real, **kwargs):
+                for t in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+                    self.seen.append(str(t.device))
+                return _real(tensor, *args, **kwargs)
+
+            setattr(dist, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def reference_model(pretrained):
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+
+    info = check_pretrained(pretrained)
+    model = Qwen3TTSForConditionalGeneration(load_config(info)).float()
+    model.load_state_dict({k: v.float() for k, v in load_state_dict(info).items()})
+    return model.eval()
+
+
+class Checks(L.Callback):
+    def __init__(self, out: Path, pretrained: str):
+        self.out, self.pretrained = out, pretrained
+
+    def on_validation_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        strategy, rank = trainer.strategy, trainer.global_rank
+        result = {"rank": rank}
+        reference = reference_model(self.pretrained)
+        with FSDP.state_dict_type(strategy.model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+            full = strategy.model.state_dict()
+        ref = reference.state_dict()
+        mine = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+        result["weights_keys_equal"] = set(mine) == set(ref)
+        result["weights_bit_identical"] = all(torch.equal(mine[k], ref[k]) for k in ref)
+
+        batch = next(iter(trainer.datamodule.val_dataloader()))
+        with DeviceRecorder() as recorder, torch.device("meta"):
+            strategy._report_shards(strategy.model)
+            pl_module.speaker_embeddings.zero_()  # force the speaker-table sync
+            pl_module._remember_speakers(batch)
+            strategy.reduce_boolean_decision(True, all=True)
+        result["collective_devices"] = sorted(set(recorder.seen))
+        result["collectives"] = len(recorder.seen)
+        result["root_device"] = str(strategy.root_device)
+
+        if rank == 1:  # no codebook 1..15 anywhere in this rank's codec channel
+            batch.codec_ids[..., 1:] = NO_CODEC
+        result["codebooks_present"] = int((batch.codec_ids != NO_CODEC).any(dim=(0, 1)).sum())
+        with torch.no_grad():
+            sharded = strategy.model(batch).loss.item()
+            plain = compute_loss(reference.talker, batch).loss.item()
+        result["loss_fsdp"], result["loss_plain"] = sharded, plain
+        (self.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main(pretrained, manifest, cache, out):
+    out = Path(out)
+    data = SpeakerClipsDataModule(pretrained, manifest, val_fraction=0.15, cache_dir=cache, seed=0,
+                                  max_frames_per_batch=150)
+    module = Qwen3TTSModule(pretrained, speakers=data.speaker_names)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Qwen3TTSFSDPStrategy(), precision="32-true",
+                        limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[Checks(out, pretrained)])
+    trainer.validate(module, datamodule=data)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
