@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     console.install()  # known third-party noise off the console (see tts_lightning/console.py)
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOLS:
-        from tts_lightning.files import WriteError
+    from tts_lightning.files import WriteError
 
+    if argv and argv[0] in TOOLS:
         try:
             return TOOLS[argv[0]](argv[1:])
         except WriteError as exc:  # disk full, quota, permissions: one message, no traceback
@@ -136,9 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in LIGHTNING_COMMANDS:
         from tts_lightning.cli import cli_main
 
-        # From the command line LightningCLI reads sys.argv itself (given args, it warns that they
-        # are meant for calls from Python).
-        cli_main(None if from_command_line else argv)
+        try:
+            # From the command line LightningCLI reads sys.argv itself (given args, it warns that
+            # they are meant for calls from Python).
+            cli_main(None if from_command_line else argv)
+        except WriteError as exc:  # Lightning has already stopped the other processes
+            print(f"tts-lightning {argv[0]}: error: {exc}", file=sys.stderr)
+            return 1
         return 0
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
     print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
