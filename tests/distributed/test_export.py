@@ -98,3 +98,35 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 1 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_sharded_export_streams_model_tensors_only(checkpoints, tmp_path, monkeypatch):
+    """Export reads the model's tensors from the DCP files and never an optimizer entry, and
+    writes safetensors shards (with an index) that qwen_tts loads to the same weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, sharded, _ = checkpoints
+    read: list[str] = []
+    real = FileSystemReader.read_data
+
+    def spy(self, plan, planner):  # records what is read, then reads it
+        read.extend(item.storage_index.fqn for item in plan.items)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", spy)
+    out = export_custom_voice(sharded, tmp_path / "voice", dtype="fp32", max_shard_size=400_000)
+    monkeypatch.undo()
+    assert read and all(fqn.startswith("model.") for fqn in read), sorted(set(read))[:5]
+    assert not any(fqn.startswith("optimizer") for fqn in read)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    single = export_custom_voice(sharded, tmp_path / "single", dtype="fp32")
+    expected = load_file(str(single / "model.safetensors"))
+    got = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    loaded = model.model.state_dict()
+    assert all(torch.equal(loaded[k].float(), expected[k]) for k in expected)

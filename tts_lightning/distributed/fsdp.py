@@ -246,7 +246,7 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         return model
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the previous one at that path is intact."""
 
     def __init__(self, path: Path, error: BaseException | None) -> None:
