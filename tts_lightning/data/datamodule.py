@@ -393,14 +393,26 @@ class SpeakerClipsDataModule(LightningDataModule):
         else:
             self._plan()
 
-    def prepare(self) -> ValidationReport:
+    def prepare(self, *, ray_workers: int = 0, ray_address: str = "local") -> ValidationReport:
         """Validate, encode, embed and index the data; return the validation report.
 
-        Usable without a Trainer. Raises ValueError when the training manifest has no usable
-        clip (naming it and the main reasons) or a requested speaker has no accepted clip.
+        Usable without a Trainer. ``ray_workers`` > 0 encodes the codes on that many Ray Data
+        workers (`tts_lightning.data.ray_prepare`; a local Ray instance, or the cluster at
+        ``ray_address``), with the same bytes. Raises ValueError when the training manifest has no
+        usable clip (naming it and the main reasons) or a requested speaker has no accepted clip.
         """
         plan = self._plan()
-        self._encode(plan.clips)
+        if ray_workers > 0:
+            from tts_lightning.data.ray_prepare import encode_with_ray
+
+            cache = self._codec_cache()
+            cache.verify(plan.clips)
+            encoded = encode_with_ray(cache, plan.clips, num_workers=ray_workers,
+                                      batch_size=self.hparams.encode_batch_size, address=ray_address)
+            rank_zero_info(f"codec cache: {encoded} clip(s) encoded on {ray_workers} Ray worker(s), "
+                           f"{len(plan.clips) - encoded} already cached ({self.cache_dir})")
+        else:
+            self._encode(plan.clips)
         self._write_index(plan)
         return plan.report
 

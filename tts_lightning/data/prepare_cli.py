@@ -111,6 +111,11 @@ def prepare_command(argv: list[str]) -> int:
     parser.add_argument("--verify", action="store_true",
                         help="read back every cached codes file (shape, dtype, codebook range) and "
                         "encode the bad ones again")
+    parser.add_argument("--ray.num_workers", type=int, default=0,
+                        help="encode the codes on this many Ray Data workers (0: in this process); "
+                        "needs the ray extra")
+    parser.add_argument("--ray.address", type=str, default="local",
+                        help="'local' starts Ray on this machine; 'auto' or an address joins a cluster")
     parser.add_class_arguments(SpeakerClipsDataModule, "data")
     names = set(inspect.signature(SpeakerClipsDataModule.__init__).parameters) - {"self"}
     argv = _qualify_flags(list(argv), names)
@@ -143,7 +148,7 @@ def prepare_command(argv: list[str]) -> int:
         data = SpeakerClipsDataModule(**kwargs)
         if cfg.verify:
             checked, bad = _verify_cache(data)
-        report = data.prepare()
+        report = data.prepare(ray_workers=cfg.ray.num_workers, ray_address=cfg.ray.address)
     except WriteError as exc:
         if exc.disk_full and data is not None:
             rest = _remaining_need(data, exc)

@@ -1,0 +1,43 @@
+"""`tts-lightning prepare --ray.num_workers 2`: the codes encoded by 2 Ray Data CPU workers are the
+bytes a single process writes."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.prepare_cli import prepare_command
+
+pytestmark = pytest.mark.slow
+
+
+def _codes(cache: Path) -> dict[str, bytes]:
+    return {p.relative_to(cache).as_posix(): p.read_bytes() for p in cache.glob("codes/*/*.npy")}
+
+
+def test_ray_workers_write_the_same_codes_as_one_process(tiny_dir, tmp_path, capsys):
+    shutil.copytree(demo_dir(), tmp_path / "demo", ignore=shutil.ignore_patterns(".*"))
+    manifest = tmp_path / "demo" / "train.jsonl"
+    flags = ["--pretrained", str(tiny_dir), "--train_manifest", str(manifest), "--max_frames_per_batch", "400"]
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    try:
+        assert prepare_command([*flags, "--cache_dir", str(tmp_path / "ray"), "--ray.num_workers", "2"]) == 0
+    finally:
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+    assert "accepted 24 clips" in capsys.readouterr().out
+    assert any(line.startswith("codec cache: 24 clip(s) encoded on 2 Ray worker(s)") for line in lines), lines
+
+    SpeakerClipsDataModule(str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"),
+                           max_frames_per_batch=400).prepare()
+    ray, serial = _codes(tmp_path / "ray"), _codes(tmp_path / "serial")
+    assert len(serial) == 24 and ray.keys() == serial.keys()
+    assert [p for p in serial if ray[p] != serial[p]] == []
+    assert (tmp_path / "ray" / "prepared.json").read_bytes() == (tmp_path / "serial" / "prepared.json").read_bytes()

@@ -1,0 +1,106 @@
+"""Codec encoding through Ray Data: `tts-lightning prepare --ray.num_workers N`.
+
+The clips whose codes are not cached yet become a Ray dataset (path, content hash, duration:
+small rows, the audio is read where it is encoded); ``map_batches`` runs them through `_Encoder`,
+an actor per worker that loads the speech tokenizer once and writes each clip's codes into the
+cache with `CodecCache.encode_missing`, exactly as a single process does, so the bytes are the
+same. ``data.cache_dir`` must be storage every worker sees (any path on one machine).
+Needs the ``ray`` extra (``pip install 'tts-lightning[ray]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tts_lightning.data.codec_cache import CodecCache
+from tts_lightning.data.manifest import ClipRecord
+from tts_lightning.data.validation import AcceptedClip
+
+INSTALL_HINT = "pip install 'tts-lightning[ray]'"
+
+
+class _Encoder:
+    """One per Ray worker: the speech tokenizer, loaded once, encoding batches of rows."""
+
+    def __init__(self, cache_dir: str, pretrained: str, normalize: str | None, trim_silence: bool,
+                 device: str | None, batch_size: int) -> None:
+        from tts_lightning.model.pretrained import check_pretrained
+
+        self.cache = CodecCache(cache_dir, check_pretrained(pretrained), normalize=normalize,
+                                trim_silence=trim_silence, device=device)
+        self.batch_size = batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        clips = [
+            AcceptedClip(ClipRecord(audio=Path(a), text="", speaker="", source=str(s)), float(d), str(h))
+            for a, s, d, h in zip(batch["audio"], batch["source"], batch["duration"], batch["content_hash"])
+        ]
+        return {"encoded": np.array([self.cache.encode_missing(clips, batch_size=self.batch_size)])}
+
+
+def _package_root() -> str:
+    import tts_lightning
+
+    return str(Path(tts_lightning.__file__).resolve().parents[1])
+
+
+def encode_with_ray(
+    cache: CodecCache,
+    clips: list[AcceptedClip],
+    *,
+    num_workers: int,
+    batch_size: int = 8,
+    address: str = "local",
+    num_gpus_per_worker: float = 0.0,
+) -> int:
+    """Encode the codes of ``clips`` not cached yet on ``num_workers`` Ray actors; return how many
+    were encoded. Starts a local Ray instance (``address="local"``) or joins ``address``, and shuts
+    down only what it started. Codes a manifest carries are stored here, without Ray."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(f"--ray.num_workers needs Ray: {INSTALL_HINT}") from exc
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    cache.encode_missing([c for c in clips if c.record.audio_codes is not None])
+    rows, seen = [], set()
+    for c in sorted(clips, key=lambda c: (c.duration, c.content_hash)):  # similar lengths share a batch
+        path = cache.path(c)
+        if c.record.audio_codes is None and path not in seen and not cache.is_cached(c):
+            seen.add(path)
+            rows.append({"audio": str(c.record.audio), "source": c.record.source, "duration": c.duration,
+                         "content_hash": c.content_hash})
+    if not rows:
+        return 0
+    started = not ray.is_initialized()
+    if started:
+        init: dict = {"address": address, "include_dashboard": False, "log_to_driver": False}
+        if address == "local":
+            init["num_cpus"] = max(os.cpu_count() or 1, num_workers)
+            path = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            init["runtime_env"] = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+                                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}}
+        ray.init(**init)
+    try:
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        dataset = ray.data.from_items(rows, override_num_blocks=min(len(rows), num_workers * 4))
+        encoded = dataset.map_batches(
+            _Encoder,
+            fn_constructor_kwargs={
+                "cache_dir": str(cache.cache_dir), "pretrained": str(cache.info.path), "normalize": cache.normalize,
+                "trim_silence": cache.trim_silence, "device": None if cache.device is None else str(cache.device),
+                "batch_size": batch_size,
+            },
+            batch_size=batch_size,
+            compute=ray.data.ActorPoolStrategy(size=num_workers),
+            num_cpus=1,
+            num_gpus=num_gpus_per_worker,
+        )
+        return int(encoded.sum("encoded") or 0)
+    finally:
+        if started:
+            ray.shutdown()
