@@ -212,3 +212,33 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     with pytest.raises(ValueError, match="devices"):
         plan_from_config(path, 16)
     assert plan_from_config(path, 16, gpus=2).sharding == "NO_SHARD"
+
+
+@pytest.mark.parametrize("preset", ["1.7b", "0.6b"])
+def test_preset_special_ids_are_inside_the_vocabulary(preset):
+    """A model built from a preset (the benchmarks build released-size ones) must not index past
+    its codec embedding: every codec special id lies in the 1024-entry block after the codes."""
+    from tts_lightning.distributed.memory import resolve_config
+
+    talker = resolve_config(preset)[1]["talker_config"]
+    codec = [v for k, v in talker.items() if k.startswith("codec_") and isinstance(v, int)]
+    codec += list(talker["codec_language_id"].values())
+    assert codec and all(2048 <= i < talker["vocab_size"] == 3072 for i in codec)
+
+
+def test_samples_phase_is_planned(tiny_dir):
+    """The samples callback's rank-0 phase: a compute-dtype copy of the model, the KV cache, and the
+    speech tokenizer counted from a local directory's weights."""
+    from tts_lightning.distributed.memory import speech_tokenizer_bytes
+    from tts_lightning.model.pretrained import load_speech_tokenizer
+
+    tokenizer = load_speech_tokenizer(check_pretrained(tiny_dir))
+    assert speech_tokenizer_bytes(tiny_dir) == 4 * sum(t.numel() for t in tokenizer.model.state_dict().values())
+    plain = plan_memory("1.7b", **BASE)
+    sampled = plan_memory("1.7b", **BASE, samples=True, sample_rows=4, sample_frames=600)
+    assert sampled.samples_model == 2 * plain.total_parameters  # bf16 copy, never the fp32 model
+    assert sampled.samples_total == plain.model_states + plain.overhead + sampled.samples_model + sampled.samples_cache
+    assert sampled.total == max(plain.total, sampled.samples_total)
+    assert "samples" in sampled.table()
+    config = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16)
+    assert config.samples and config.samples_cache > 0

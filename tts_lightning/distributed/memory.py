@@ -84,9 +84,11 @@ LOGIT_BYTES = 12
 
 # -- presets -----------------------------------------------------------------------------------
 def _preset(size: str, hidden: int, intermediate: int) -> dict:
-    """A released 12 Hz *Base* config, written from the published architecture. Only fields that
-    shape parameters or activations are given; special-token ids are left at their defaults (they
-    change no size)."""
+    """A released 12 Hz *Base* config, written from the published architecture. Fields that shape
+    parameters or activations, and the codec special ids in the released layout (2048 codes, then
+    the specials from 2048: inside the 3072-entry vocabulary, so a model built from a preset runs)."""
+    from tts_lightning.model.tiny import codec_special_ids
+
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
@@ -94,7 +96,7 @@ def _preset(size: str, hidden: int, intermediate: int) -> dict:
         "tts_model_size": size,
         "tts_model_type": "base",
         "talker_config": {
-            "vocab_size": 3072,  # 2048 codes + a block of 1024 specials
+            **codec_special_ids(2048),  # vocab_size 3072: 2048 codes + a block of 1024 specials
             "hidden_size": hidden,
             "intermediate_size": intermediate,
             "num_hidden_layers": 28,
@@ -110,7 +112,6 @@ def _preset(size: str, hidden: int, intermediate: int) -> dict:
             "text_vocab_size": 151936,
             "spk_id": {},
             "spk_is_dialect": {},
-            "codec_language_id": {},
             "code_predictor_config": {
                 "vocab_size": 2048,
                 "hidden_size": 1024,  # 0.6B: equal to the talker's, so small_to_mtp_projection is Identity
@@ -359,6 +360,11 @@ class MemoryPlan:
     peak_phase: str
     units: int
     largest_unit_name: str = ""
+    samples: bool = False  # SpeakerSamplesCallback on: rank 0's sampling phase is planned too
+    samples_model: int = 0  # rank 0: the generation copy of the model, compute dtype
+    samples_cache: int = 0  # rank 0: the talker's KV cache for all sampled rows
+    speech_tokenizer: int = 0  # rank 0: the speech tokenizer on the GPU while it decodes (fp32)
+    samples_total: int = 0  # rank 0 at the sampling peak (training activations are gone then)
     notes: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -392,6 +398,13 @@ class MemoryPlan:
             f"  GPU memory                                       {g(self.gpu_memory)}",
             f"  headroom                                         {g(self.headroom)}",
         ]
+        if self.samples:
+            lines += [
+                "  samples (SpeakerSamplesCallback, rank 0, after validation):",
+                f"    model states + generation copy {g(self.samples_model)} + KV cache {g(self.samples_cache)}"
+                f" + CUDA, then the speech tokenizer {g(self.speech_tokenizer)} instead of the copy",
+                f"    total at the sampling peak                     {g(self.samples_total)}",
+            ]
         if self.cpu_offload:
             lines.append(
                 f"  host memory for offloaded states: {self.host_memory / GiB:.2f} GiB per GPU, "
@@ -421,6 +434,9 @@ def plan_memory(
     freeze: Sequence[str] = DEFAULT_FREEZE,
     micro_batch_frames: int = 2000,
     auto_wrap_policy: Sequence[str] | None = None,
+    samples: bool = False,
+    sample_rows: int = 4,
+    sample_frames: int = 600,
     advise: bool = True,
 ) -> MemoryPlan:
     """Plan per-GPU memory for one training step.
@@ -433,6 +449,10 @@ def plan_memory(
         freeze: parameter-name patterns, as `Qwen3TTSModule`'s ``freeze``.
         micro_batch_frames: padded talker positions per micro-batch (``max_frames_per_batch``).
         auto_wrap_policy: class import paths; default the strategy's ``DEFAULT_WRAP``.
+        samples: plan `SpeakerSamplesCallback` too: on rank 0, after validation, a copy of the model
+            in the compute dtype plus the KV cache of ``sample_rows`` rows (speakers x texts) of up
+            to ``sample_frames`` frames (``max_new_tokens``), then the speech tokenizer (counted when
+            ``model`` is a local directory) while it decodes.
     """
     from tts_lightning.model.module import matches
 
@@ -513,6 +533,19 @@ def plan_memory(
         phase, gathered, activations = "end of backward, largest unit", gathered_root + phase_b_units, logits
     persistent = params_b + grads_b + optim_b
     total = persistent + CUDA_OVERHEAD_BYTES + max(phase_a, phase_b)
+    samples_model = samples_cache = tokenizer = samples_total = 0
+    if samples:
+        d = shape.dims
+        samples_model = total_params * b
+        prefill = 64  # role, tags, speaker and a sentence of text
+        samples_cache = sample_rows * (prefill + sample_frames) * d["layers"] * 2 * d["kv"] * b
+        tokenizer = speech_tokenizer_bytes(model)
+        if not tokenizer:
+            notes.append("the speech tokenizer is not counted (plan a local pretrained directory to count it)")
+        samples_total = persistent + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
+        notes.append(f"samples: rank 0 gathers the fp32 weights to host memory first "
+                     f"({4 * total_params / GiB:.1f} GiB of RAM, released before generation)")
+        total = max(total, samples_total)
     gpu_memory = int(gpu_memory_gb * GiB)
     plan = MemoryPlan(
         model=name,
@@ -542,6 +575,11 @@ def plan_memory(
         units=len(shape.units),
         largest_unit_name=largest.name if largest else "",
         notes=notes,
+        samples=samples,
+        samples_model=samples_model,
+        samples_cache=samples_cache,
+        speech_tokenizer=tokenizer,
+        samples_total=samples_total,
     )
     if ckpt_t != ckpt_cp:
         notes.append("activation checkpointing covers only the " + ("talker" if ckpt_t else "code predictor"))
@@ -549,8 +587,23 @@ def plan_memory(
         plan.advice = _advice(config, plan, dict(
             gpus=gpus, gpu_memory_gb=gpu_memory_gb, sharding=sharding, precision=precision,
             activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload, freeze=freeze,
-            micro_batch_frames=micro_batch_frames, auto_wrap_policy=auto_wrap_policy))
+            micro_batch_frames=micro_batch_frames, auto_wrap_policy=auto_wrap_policy, samples=samples,
+            sample_rows=sample_rows, sample_frames=sample_frames))
     return plan
+
+
+def speech_tokenizer_bytes(model: str | os.PathLike | Mapping[str, Any]) -> int:
+    """fp32 bytes of a local pretrained directory's speech tokenizer (read from the safetensors
+    header, no weights loaded); 0 when ``model`` is not a local directory."""
+    if isinstance(model, Mapping):
+        return 0
+    path = Path(str(model)).expanduser() / "speech_tokenizer" / "model.safetensors"
+    if not path.is_file():
+        return 0
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return 4 * sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
@@ -684,6 +737,9 @@ def plan_from_config(
         raise ValueError(f"{path}: HYBRID_SHARD is not planned (plan FULL_SHARD with the GPUs of one node)")
     freeze = model_sec.get("freeze", list(DEFAULT_FREEZE))
     frames = data.get("max_frames_per_batch") or 2000
+    samples = next((c for c in trainer.get("callbacks") or [] if isinstance(c, Mapping)
+                    and str(c.get("class_path", "")).endswith("SpeakerSamplesCallback")), None)
+    sample_args = dict((samples or {}).get("init_args") or {})
     return plan_memory(
         str(pretrained),
         gpus=n,
@@ -695,4 +751,7 @@ def plan_from_config(
         freeze=list(freeze or []),
         micro_batch_frames=int(frames),
         auto_wrap_policy=wrap,
+        samples=samples is not None,
+        sample_frames=int(sample_args.get("max_new_tokens", 240)),
+        sample_rows=len(sample_args.get("texts") or (0, 0)) * max(1, len(sample_args.get("speakers") or (0, 0))),
     )

@@ -53,7 +53,7 @@ def _special_id(token: str) -> int:
     return TEXT_BPE_VOCAB + TEXT_SPECIAL_TOKENS.index(token)
 
 
-def _codec_ids(codebook_size: int) -> dict:
+def codec_special_ids(codebook_size: int) -> dict:
     """Special codec ids laid out as in the released models: codebook entries first, then a block
     of 1024 ids holding the specials (generation suppresses that block except ``codec_eos``)."""
     base = codebook_size
@@ -81,7 +81,7 @@ def tiny_configs(model_type: str = "base", codebook_size: int = 256) -> tuple[di
     if model_type not in ("base", "custom_voice"):
         raise ValueError(f"model_type must be 'base' or 'custom_voice', got {model_type!r}")
     hidden, text_hidden, cp_hidden = 64, 48, 32
-    codec = _codec_ids(codebook_size)
+    codec = codec_special_ids(codebook_size)
     spk_id, spk_is_dialect = {}, {}
     if model_type == "custom_voice":
         # Built-in speakers as a released CustomVoice model has them (ids below the specials' block).
