@@ -18,7 +18,7 @@ from tts_lightning.data.demo import demo_dir
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 LINE_BUDGET = 120
-NOISE = ("flash-attn", "SoX", "sox:", "LeafSpec", "pad_token_id", "_get_pg_default_device", "ShardedTensor",
+NOISE = ("flash-attn", "SoX", "sox:", "LeafSpec", "pad_token_id", "_get_pg_default_device", "ShardedTensor", "v_num",
          "litlogger", "/-2", "LightningCLI's args parameter")
 
 

@@ -43,6 +43,11 @@ class StepProgressBar(RichProgressBar):
         description = f"step {self.trainer.global_step}/{self.trainer.max_steps}"
         return f"{description:{len(self.validation_description)}}"
 
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version folder, shown as "v_num: 0.000": not a metric
+        return metrics
+
     def _show_steps(self, trainer) -> None:
         if self.progress is None or self.train_progress_bar_id is None:
             return
