@@ -5,7 +5,9 @@ and by `tts-lightning prepare --verify`."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 import logging
 from pathlib import Path
 
@@ -135,10 +137,14 @@ def test_prepare_verify_reads_back_the_whole_cache(tiny_dir, clips_manifest, tmp
     with open(files[3], "r+b") as fh:  # a flipped value far outside the codebook: only a full read sees it
         fh.seek(-2, 2)
         fh.write(np.int16(-7).tobytes())
+    leftover = files[0].parent / f".{files[0].name}.k1ll3d.tmp"  # a write killed long ago
+    leftover.write_bytes(b"\x93NUMPY half")
+    os.utime(leftover, (time.time() - 7200, time.time() - 7200))
     capsys.readouterr()
 
     caplog.set_level(logging.WARNING, logger=LOGGER)
     assert prepare_command([*args, "--verify"]) == 0
+    assert not leftover.exists() and str(leftover) in _warned(caplog)
     out = capsys.readouterr().out
     assert "verified 5 cached codes file(s): 2 bad, encoded again" in out
     warned = _warned(caplog)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -237,13 +238,25 @@ class CodecCache:
                 removed.append(path)
         return removed
 
-    def verify_all(self, *, full: bool = True, names: dict[str, str] | None = None) -> tuple[int, list[Path]]:
+    def verify_all(
+        self, *, full: bool = True, names: dict[str, str] | None = None, stale_after: float = 3600.0
+    ) -> tuple[int, list[Path]]:
         """Check every cache file of this speech tokenizer (and the stored manifest codes); remove the
         bad ones with a warning naming each. ``names`` maps a file's path relative to the cache folder
-        to the clip it holds, for the warning. Returns (files checked, files removed)."""
+        to the clip it holds, for the warning. Temporary files that a killed process left (older than
+        ``stale_after`` seconds, so never one being written now) are removed too. Returns (files
+        checked, bad files removed)."""
         folders = [self.cache_dir / "codes" / self.tokenizer_id, self.cache_dir / "codes" / MANIFEST_CODES_DIR]
         checked, removed = 0, []
+        now = time.time()
         for folder in folders:
+            for tmp in sorted(folder.glob(".*.npy.*.tmp")) if folder.is_dir() else []:
+                try:
+                    if now - tmp.stat().st_mtime > stale_after:
+                        tmp.unlink()
+                        logger.warning("codec cache: removed %s, a temporary file an interrupted write left", tmp)
+                except FileNotFoundError:
+                    pass
             for path in sorted(folder.glob("*.npy")) if folder.is_dir() else []:
                 checked += 1
                 problem = self.problem(path, full=full)
