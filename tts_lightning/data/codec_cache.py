@@ -46,7 +46,7 @@ CODEC_CACHE_VERSION = 1  # bump when the key or the file format changes
 MANIFEST_CODES_DIR = "manifest"
 _ID_LENGTH = 16
 
-Progress = Callable[[int, int], None]  # (clips done, clips to do)
+Progress = Callable[[int, int, float, float], None]  # (clips done, clips to do, seconds done, seconds to do)
 
 
 def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.PathLike | None = None) -> str:
@@ -345,7 +345,7 @@ class CodecCache:
         # Similar lengths together waste less compute on padding; the codes do not depend on it.
         todo.sort(key=lambda c: c.duration)
         tokenizer = self._get_tokenizer()
-        done = 0
+        done, seconds, total_seconds = 0, 0.0, sum(c.duration for c in todo)
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             waves = [self._load_wave(c) for c in batch]
@@ -360,8 +360,9 @@ class CodecCache:
                     )
                 self._save(self.path(clip), arr)
             done += len(batch)
+            seconds += sum(c.duration for c in batch)
             if progress is not None:
-                progress(done, len(todo))
+                progress(done, len(todo), seconds, total_seconds)
         return done
 
     def release(self) -> None:

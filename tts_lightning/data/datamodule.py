@@ -44,6 +44,7 @@ from tts_lightning.data.codec_cache import CodecCache
 from tts_lightning.files import atomic_write_json
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
+from tts_lightning.data.progress import EncodeProgress
 from tts_lightning.data.speakers import (
     compute_speaker_table,
     load_speaker_table,
@@ -548,11 +549,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         """Encode the codes of ``clips`` that are not cached yet; return how many were encoded."""
         h = self.hparams
         cache = self._codec_cache(device)
-
-        def progress(done: int, todo: int) -> None:  # about every 10%
-            if done == todo or done * 10 // todo != max(0, done - h.encode_batch_size) * 10 // todo:
-                rank_zero_info(f"{log}encoded {done}/{todo} clips")
-
+        progress = EncodeProgress(f"{log}encoded")
         cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
         encoded = cache.encode_missing(clips, batch_size=h.encode_batch_size, progress=progress)
         cache.release()

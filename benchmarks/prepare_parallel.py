@@ -1,0 +1,136 @@
+"""Parallel prepare: wall time of preparing ~10 minutes of audio with 1 versus 2 processes.
+
+A dataset of about 10 minutes is made from the demo clips (each of the 24 clips at 10 gains, so
+every file has its own content: 240 clips, ~632 s). The same script then runs twice, each time in
+fresh processes on a fresh cache: a Lightning `Trainer` with 1 process, then with 2 (DDP on CPU,
+gloo), fitting a do-nothing module for one step so that Lightning runs ``prepare_data`` and
+``setup``. With 2 processes ``prepare_data`` validates on rank 0 and ``setup`` splits the codec
+encoding over both ranks. The time reported is rank 0's wall time from the start of
+``prepare_data`` to the end of ``setup`` (validation, encoding, speaker embeddings, index; both
+ranks done), so process start-up is not counted in either. Also checks that both caches hold the
+same bytes. Target: 2 processes / 1 process <= 0.6.
+
+The tiny model's speech tokenizer is small, so validation and the speaker embeddings (done once,
+not split) weigh more here than with a real checkpoint, whose encoding dominates.
+
+    python benchmarks/prepare_parallel.py [--gains 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = '''
+import sys, time
+import lightning as L
+import torch
+from tts_lightning.data.datamodule import SpeakerClipsDataModule
+
+class Timed(SpeakerClipsDataModule):
+    start = None
+    def prepare_data(self):
+        Timed.start = time.perf_counter()
+        super().prepare_data()
+    def setup(self, stage=None):
+        if Timed.start is None:
+            Timed.start = time.perf_counter()
+        super().setup(stage)
+        if self.trainer.global_rank == 0:
+            print(f"PREPARE_SECONDS {time.perf_counter() - Timed.start:.3f}", flush=True)
+
+class Nothing(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+    def training_step(self, batch, batch_idx):
+        return self.w * batch.codes.float().mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+pretrained, manifest, cache, devices = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = Timed(pretrained, manifest, cache_dir=cache, max_frames_per_batch=400, val_fraction=0.0)
+L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=1,
+          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+          num_sanity_val_steps=0, use_distributed_sampler=False).fit(Nothing(), data)
+'''
+
+
+def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
+    import json
+
+    import numpy as np
+    import soundfile as sf
+
+    from tts_lightning.data.demo import demo_dir
+    from tts_lightning.data.manifest import load_manifest
+
+    lines, seconds = [], 0.0
+    for record in load_manifest(demo_dir() / "train.jsonl").records:
+        wave, sr = sf.read(record.audio, dtype="float32")
+        for g in range(gains):
+            out = root / "clips" / record.speaker / f"{record.audio.stem}_g{g}.wav"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sf.write(out, wave * (1.0 - 0.05 * g), sr, subtype="PCM_16")
+            seconds += len(wave) / sr
+            lines.append(json.dumps({"audio": str(out), "text": record.text, "speaker": record.speaker}))
+    manifest = root / "train.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    return manifest, seconds
+
+
+def run(tiny: Path, manifest: Path, cache: Path, devices: int, script: Path) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(tiny), str(manifest), str(cache), str(devices)],
+                          cwd=script.parent, env=env, capture_output=True, text=True, timeout=3600)
+    out = proc.stdout + proc.stderr
+    found = re.search(r"PREPARE_SECONDS ([0-9.]+)", out)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"{devices} process(es) failed (exit {proc.returncode}):\n{out[-4000:]}")
+    return float(found.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gains", type=int, default=10, help="copies of each demo clip (10: ~632 s of audio)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from tts_lightning.model.tiny import build_tiny_pretrained
+
+    with tempfile.TemporaryDirectory(prefix="tts-bench-") as tmp:
+        root = Path(tmp)
+        tiny = build_tiny_pretrained(root / "tiny", seed=0)
+        manifest, seconds = make_dataset(root / "data", args.gains)
+        script = root / "prepare_run.py"
+        script.write_text(SCRIPT)
+        one = run(tiny, manifest, root / "cache1", 1, script)
+        two = run(tiny, manifest, root / "cache2", 2, script)
+
+        def codes(cache: Path) -> dict[str, bytes]:
+            return {p.relative_to(cache).as_posix(): p.read_bytes() for p in cache.glob("codes/*/*.npy")}
+
+        same = codes(root / "cache1") == codes(root / "cache2")
+        shutil.rmtree(root / "data")
+    ratio = two / one
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"audio: {args.gains * 24} clips, {seconds:.0f} s ({seconds / 60:.1f} min), tiny model, "
+          f"{os.cpu_count()} CPU cores (load average {load}: other work on the machine slows the 2 processes)")
+    print(f"prepare, 1 process:   {one:7.1f} s")
+    print(f"prepare, 2 processes: {two:7.1f} s")
+    print(f"same cache bytes: {'yes' if same else 'NO'}")
+    print(f"ratio 2/1: {ratio:.2f} (target <= 0.6: {'met' if ratio <= 0.6 else 'NOT met'})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
