@@ -70,6 +70,9 @@ def test_disk_full_names_the_path_and_the_free_space_and_keeps_the_old_file(smal
         atomic_write_json(target, {"new": list(range(5000))})
     message = str(err.value)
     assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError)
+    import tts_lightning
+
+    assert tts_lightning.WriteError is WriteError  # public: `except tts_lightning.WriteError`
     assert str(target) in message and "no space left on device" in message
     assert "0 B free there" in message and "run the same command again" in message
     assert json.loads(target.read_text()) == {"old": True}  # the previous version is intact

@@ -12,6 +12,8 @@ _EXPORTS = {
     "PretrainedError": "tts_lightning.model.pretrained",
     "Qwen3TTSModule": "tts_lightning.model.module",
     "SpeakerClipsDataModule": "tts_lightning.data.datamodule",
+    "WriteError": "tts_lightning.files",
+    "CacheEntryError": "tts_lightning.data.codec_cache",
 }
 
 __all__ = ["__version__", *_EXPORTS]
