@@ -136,6 +136,9 @@ def cli_main(
     args: list[str] | None = None, *, run: bool = True, cli_class: type[TTSLightningCLI] = TTSLightningCLI
 ) -> TTSLightningCLI:
     """The CLI every entry point builds (`fit` and friends, `ray-fit` workers, config tests)."""
+    from tts_lightning import console
+
+    console.install()  # also in processes that do not start from `tts-lightning` (Ray workers)
     return cli_class(
         Qwen3TTSModule,
         SpeakerClipsDataModule,
