@@ -105,20 +105,26 @@ class CheckpointReader:
     def tensor_keys(self) -> list[str]:
         return list(self._sizes)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self._sizes[key][1]
+
     def numel(self, key: str) -> int:
         return int(torch.Size(self._sizes[key][0]).numel())
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    def read(self, keys: Iterable[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of ``keys``, in their stored dtype or cast to ``dtype`` as they are read (a
+        sharded checkpoint's pieces are copied straight into tensors of that dtype: no full-size
+        copy in the stored dtype)."""
         keys = list(keys)
         unknown = [k for k in keys if k not in self._sizes]
         if unknown:
             raise CheckpointError(f"{self.path} has no tensor(s) {unknown[:5]}")
         if not self.sharded:
-            return {k: self._full[k] for k in keys}
+            return {k: self._full[k] if dtype is None else self._full[k].to(dtype) for k in keys}
         from torch.distributed.checkpoint import FileSystemReader, load
 
         target = {
-            MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=self._sizes[k][1]) for k in keys
+            MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys
         }
         try:
             with warnings.catch_warnings():  # no_dist is meant: one process reads

@@ -25,7 +25,7 @@ from tts_lightning.model.pretrained import check_pretrained
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 CODEC_EMBEDDING = "model.talker.model.codec_embedding.weight"
-DEFAULT_SHARD_BYTES = 2 * 2**30  # safetensors shards, as `save_pretrained`'s ``max_shard_size``
+DEFAULT_SHARD_BYTES = 2**29  # safetensors shards of 512 MiB: export needs about two of them in memory
 
 
 class ExportError(ValueError):
@@ -134,13 +134,16 @@ def export_custom_voice(
         total = 0
         for name, group in zip(names, groups):
             shard: dict[str, torch.Tensor] = {}
-            for key in group:  # one tensor read at a time; each cast copy replaces its source
-                value = reader.read([key])[key]
-                if key == CODEC_EMBEDDING:
-                    value = value.float().clone()
+            for key in group:  # one tensor at a time, read straight into the target dtype
+                if key == CODEC_EMBEDDING:  # the new speakers' fp32 rows, then the cast
+                    value = reader.read([key])[key].float().clone()
                     for row, embedding in zip(new_ids, embeddings):
                         value[row] = embedding.float()
-                value = (value.to(target) if value.is_floating_point() else value).contiguous()
+                    value = value.to(target)
+                else:
+                    stored = reader.dtype(key)
+                    value = reader.read([key], dtype=target if stored.is_floating_point else None)[key]
+                value = value.contiguous()
                 shard[key[len("model."):]] = value
                 total += value.numel() * value.element_size()
             save_file(shard, str(tmp / name), metadata={"format": "pt"})

@@ -14,8 +14,6 @@ Units are materialized in the same order on every rank, so the broadcasts always
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
-
 import torch
 from torch import nn
 
@@ -23,7 +21,10 @@ from tts_lightning.model.pretrained import PretrainedError, PretrainedInfo, load
 
 
 class WeightReader:
-    """The tensors of a pretrained directory's safetensors file(s), read one at a time."""
+    """The tensors of a pretrained directory's safetensors file(s), read one at a time.
+
+    Each read opens the file and closes it again: safetensors maps the whole file, and a mapping
+    kept open would hold every page read so far in this process's resident memory."""
 
     def __init__(self, info: PretrainedInfo) -> None:
         from safetensors import safe_open
@@ -36,8 +37,6 @@ class WeightReader:
                 file_of = {key: "model.safetensors" for key in f.keys()}
         self.path = info.path
         self.file_of: dict[str, str] = dict(file_of)
-        self._files = ExitStack()
-        self._handles: dict[str, object] = {}
 
     def keys(self) -> set[str]:
         return set(self.file_of)
@@ -45,14 +44,11 @@ class WeightReader:
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        name = self.file_of[key]
-        if name not in self._handles:
-            self._handles[name] = self._files.enter_context(safe_open(str(self.path / name), framework="pt"))
-        return self._handles[name].get_tensor(key)
+        with safe_open(str(self.path / self.file_of[key]), framework="pt") as f:
+            return f.get_tensor(key)
 
-    def close(self) -> None:
-        self._files.close()
-        self._handles.clear()
+    def close(self) -> None:  # nothing is kept open between reads
+        pass
 
 
 def build_empty_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa") -> nn.Module:

@@ -1,0 +1,170 @@
+"""One rank of a 4-rank FULL_SHARD run of the released 1.7B, emulated in one process, measured next
+to the planner's prediction for the same settings.
+
+torch's fake process group (``torch.testing._internal.distributed.fake_pg``) stands in for the other
+ranks: FSDP allocates exactly this rank's shards, gather buffers and reduce-scatter outputs, and
+nothing is sent (the gathered values of the other shards are whatever memory held, so the loss is
+not meaningful; the memory and the compute are one real rank's). Everything else is the project's
+real path: a released-size Base directory with random weights (benchmarks/released_dir.py), the
+`Qwen3TTSModule` built on the meta device and materialized by `Qwen3TTSFSDPStrategy` (rank 0 reads,
+the broadcast is a no-op here), its loss and AdamW, driven by a Lightning Trainer for a few steps on
+the demo clips.
+
+Measured (per rank): model states (bytes of the unique storages of parameters, gradients and AdamW
+state, as benchmarks/fsdp_memory.py counts them) and the training peak (CUDA: max allocated; CPU:
+RSS above the level at the start of training, sampled), next to `plan_memory` for the largest batch
+the run actually saw. Goal: within 15%.
+
+    PYTHONPATH=. python benchmarks/real_size.py                      # 1.7B, rank 0 of 4, CPU fp32
+    PYTHONPATH=. python benchmarks/real_size.py --size 0.6b --world 1
+    PYTHONPATH=. python benchmarks/real_size.py --device cuda --precision bf16-mixed --gpu-memory 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+GiB = 2**30
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="1.7b", choices=("1.7b", "0.6b"))
+    p.add_argument("--world", type=int, default=4, help="emulated FULL_SHARD ranks (this process is rank 0)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on CUDA")
+    p.add_argument("--frames", type=int, default=300, help="data.max_frames_per_batch (padded positions)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gpu-memory", type=float, default=None, help="cap this process's GPU memory (GiB)")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
+    p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse()
+    precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    # One node per emulated rank, this process rank 0: Lightning treats the processes as launched
+    # externally and finds the (fake) process group already initialized.
+    os.environ.update(WORLD_SIZE=str(args.world), RANK="0", NODE_RANK="0", LOCAL_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29599", TOKENIZERS_PARALLELISM="false")
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_memory import held_bytes
+    from memory_probe import PeakSampler, rss_bytes
+    from released_dir import build_released_dir
+    from tts_lightning import Qwen3TTSModule, SpeakerClipsDataModule
+    from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+    from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_memory
+
+    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    cuda = args.device == "cuda"
+    if cuda and args.gpu_memory:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory * GiB / total))
+
+    class Probe(L.Callback):
+        positions = 0
+        step_seconds: list[float] = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.startup_rss = rss_bytes()
+            self.sampler = PeakSampler().start()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.positions = max(self.positions, batch.text_ids.numel())
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cuda:
+                torch.cuda.synchronize()
+            self.step_seconds.append(time.perf_counter() - self.t0)
+            self.tokens = getattr(self, "tokens", 0) + int(batch.attention_mask.sum())
+
+        def on_train_end(self, trainer, pl_module):
+            self.rss_peak = self.sampler.stop()
+            self.cuda_peak = torch.cuda.max_memory_allocated() if cuda else 0
+            self.held = held_bytes(trainer.strategy.model, trainer.optimizers[0])
+
+    probe = Probe()
+    callbacks = [probe]
+    if args.samples:
+        from tts_lightning.callbacks import SpeakerSamplesCallback
+
+        callbacks.append(SpeakerSamplesCallback(max_new_tokens=60, similarity=False))
+    work = REPO / "runs" / "bench" / f"real-size-{args.size}"
+    data = SpeakerClipsDataModule(str(pretrained), str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
+                                  val_fraction=0.15, cache_dir=str(work / "cache"), seed=0,
+                                  max_frames_per_batch=args.frames)
+    module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
+    strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=1, num_nodes=args.world, strategy=strategy,
+        precision=precision, max_steps=args.steps, limit_val_batches=1 if args.samples else 0,
+        val_check_interval=args.steps if args.samples else None, num_sanity_val_steps=0,
+        logger=L.pytorch.loggers.TensorBoardLogger(str(work), name="tb") if args.samples else False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(work),
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    wall = time.perf_counter() - t0
+
+    plan = plan_memory(args.size, gpus=args.world, gpu_memory_gb=args.gpu_memory or 1000, precision=precision,
+                       micro_batch_frames=probe.positions, cpu_offload=args.cpu_offload, samples=args.samples,
+                       sample_rows=2 * 2, sample_frames=60)
+    held = probe.held
+    states = held["parameters"] + held["gradients"] + held["optimizer"]
+    peak = probe.cuda_peak if cuda else probe.rss_peak
+    # The planner's peak counts a CUDA constant; tensors (CUDA) or RSS (CPU) do not.
+    plan_peak = plan.total - CUDA_OVERHEAD_BYTES
+    steady = probe.step_seconds[1:] or probe.step_seconds
+    step_s = sorted(steady)[len(steady) // 2]
+    tokens_s = probe.tokens / sum(probe.step_seconds)
+    figures = {
+        "size": args.size, "world": args.world, "device": args.device, "precision": precision,
+        "cpu_offload": args.cpu_offload, "positions": probe.positions, "steps": len(probe.step_seconds),
+        "model_states": states, "planned_model_states": plan.model_states, "peak": peak,
+        "planned_peak": plan_peak, "step_s": step_s, "tokens_per_s": tokens_s, "wall_s": wall,
+        "held": held, "samples": args.samples,
+    }
+    if cuda:
+        n = sum(p.numel() for p in module.parameters()) * args.world  # local shards x ranks
+        flops = 6 * n * probe.tokens / len(probe.step_seconds) / step_s * 4 / 3  # + recomputation
+        peak_flops = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H200/H100 bf16 dense
+        figures["mfu"] = flops / peak_flops
+    print(f"\n{args.size}: rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
+          f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
+          f"{len(probe.step_seconds)} steps")
+    print(f"{'':34}{'measured GiB':>14}{'planner GiB':>13}{'meas/plan':>11}")
+    print(f"{'model states (params+grads+AdamW)':34}{states / GiB:14.2f}{plan.model_states / GiB:13.2f}"
+          f"{states / plan.model_states:11.3f}")
+    label = "peak, CUDA tensors" if cuda else "peak, RSS over train start"
+    print(f"{label:34}{peak / GiB:14.2f}{plan_peak / GiB:13.2f}{peak / plan_peak:11.3f}")
+    if not cuda:
+        print(f"(RSS at train start {probe.startup_rss / GiB:.2f} GiB; the planner's peak is without its "
+              f"{CUDA_OVERHEAD_BYTES / GiB:.0f} GiB CUDA constant)")
+    print(f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s" +
+          (f", MFU {figures['mfu'] * 100:.1f}%" if cuda else ""))
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
