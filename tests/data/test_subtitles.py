@@ -93,14 +93,18 @@ def test_short_cues_merge_up_to_the_target_but_never_across_a_speaker_change(rec
 def test_webvtt_voices_markup_and_errors_name_file_and_line(tmp_path):
     vtt = tmp_path / "a.vtt"
     vtt.write_text(
-        "WEBVTT\n\nNOTE a comment\n\nintro\n00:01.000 --> 00:02.500 align:start\n<v Dr. Who><i>Hello</i> there.\n\n"
-        "00:00:03.000 --> 00:00:04.000\n<v.loud Rose>Run!</v>\n\n00:05.000 --> 00:06.000\n[music]\n",
+        "WEBVTT - a title\nKind: captions\nLanguage: en\n\nNOTE a comment\n\n"
+        "00:00.500 --> 00:00.900\nbefore any label\n\n"
+        "intro\n00:01.000 --> 00:02.500 align:start\n<v Dr. Who><i>Hello</i> there.\n\n"
+        "00:00:03.000 --> 00:00:04.000\n<v.loud Rose>Run!</v>\n\n00:05.000 --> 00:06.000\nStill Rose.\n",
         encoding="utf-8",
     )
     cues = parse_subtitles(vtt)
     assert [(c.start, c.end, c.speaker, c.text) for c in cues] == [
-        (1.0, 2.5, "Dr. Who", "Hello there."), (3.0, 4.0, "Rose", "Run!"), (5.0, 6.0, None, "[music]"),
+        (0.5, 0.9, None, "before any label"), (1.0, 2.5, "Dr. Who", "Hello there."), (3.0, 4.0, "Rose", "Run!"),
+        (5.0, 6.0, "Rose", "Still Rose."),  # an unlabelled cue continues the last speaker
     ]
+    assert cues[1].line == 11
     bad = tmp_path / "b.srt"
     bad.write_text("1\n00:00:01,000 --> 00:00:02,000\nok\n\n2\n00:00:03,000 -> 00:00:04,000\nbroken\n")
     with pytest.raises(SubtitleError, match=r"b\.srt:5"):

@@ -3,7 +3,8 @@
 A manifest entry (or folder item) whose audio has an ``.srt`` or ``.vtt`` file beside it (same
 stem) and no transcript of its own is a long recording: `cut_subtitled` replaces it by one clip per
 cue, or per run of adjacent cues merged up to ``target_seconds``. Cues are never merged across a
-speaker change (WebVTT ``<v Name>`` voice tags, or an upper-case ``NAME:`` prefix), across a gap of
+speaker change (WebVTT ``<v Name>`` voice tags, or an upper-case ``NAME:`` prefix; an unlabelled cue
+continues the previous cue's speaker), across a gap of
 more than `MAX_MERGE_GAP` seconds, or with a cue whose text is empty after markup is removed (that
 one becomes a clip of its own, which validation then rejects as ``empty_transcript``).
 
@@ -85,14 +86,20 @@ def _clean(lines: list[str]) -> tuple[str, str | None]:
 
 
 def parse_subtitles(path: str | os.PathLike, encoding: str | None = None) -> list[Cue]:
-    """SRT or WebVTT cues in file order; `SubtitleError` names the file and line of a bad timing."""
+    """SRT or WebVTT cues in file order; `SubtitleError` names the file and line of a bad timing.
+
+    A cue without a speaker label has the speaker of the cue before it (subtitles usually label
+    only a change of speaker); cues before the first label have none."""
     path = Path(path)
     lines = read_text(path, encoding).replace("\r\n", "\n").replace("\r", "\n").split("\n")
     vtt = path.suffix.lower() == ".vtt"
     if vtt and not (lines and lines[0].lstrip("\ufeff").startswith("WEBVTT")):
         raise SubtitleError(f"{path}:1: a WebVTT file must start with 'WEBVTT'")
     cues: list[Cue] = []
-    i = 1 if vtt else 0
+    i = 0
+    if vtt:  # the header block: WEBVTT and any header lines (Kind:, Language:, ...)
+        while i < len(lines) and lines[i].strip():
+            i += 1
     while i < len(lines):
         if not lines[i].strip():
             i += 1
@@ -116,6 +123,8 @@ def parse_subtitles(path: str | os.PathLike, encoding: str | None = None) -> lis
         if end <= start:
             raise SubtitleError(f"{path}:{lineno}: cue ends ({end:.3f} s) before it starts ({start:.3f} s)")
         text, speaker = _clean(block[timing + 1 :])
+        if speaker is None and cues:
+            speaker = cues[-1].speaker  # a label marks a change of speaker; unlabelled cues continue
         cues.append(Cue(start, end, text, speaker, lineno))
     return cues
 
