@@ -76,14 +76,21 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="unpickle everything in the checkpoint (can run code: only for a file you trust)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
+                             "instead of the merged custom_voice model")
     args = parser.parse_args(argv)
     from tts_lightning.model.checkpoint import CheckpointError
-    from tts_lightning.model.export import ExportError, export_custom_voice
+    from tts_lightning.model.export import ExportError, export_adapter, export_custom_voice
     from tts_lightning.model.pretrained import PretrainedError
 
     try:
-        out = export_custom_voice(args.ckpt, args.out, dtype=args.dtype, pretrained=args.pretrained,
-                                  overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
+        if args.adapter_only:
+            out = export_adapter(args.ckpt, args.out, pretrained=args.pretrained, overwrite=args.overwrite,
+                                 trust_checkpoint=args.trust_checkpoint)
+        else:
+            out = export_custom_voice(args.ckpt, args.out, dtype=args.dtype, pretrained=args.pretrained,
+                                      overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
     except (ExportError, CheckpointError, PretrainedError) as exc:
         print(f"tts-lightning export: error: {exc}", file=sys.stderr)
         return 1
@@ -109,6 +116,12 @@ def _ray_fit(argv: list[str]) -> int:
     return ray_fit_command(argv)
 
 
+def _evaluate(argv: list[str]) -> int:
+    from tts_lightning.evaluation.cli import evaluate_command
+
+    return evaluate_command(argv)
+
+
 TOOLS = {
     "tiny-model": _tiny_model,
     "prepare": _prepare,
@@ -116,6 +129,7 @@ TOOLS = {
     "synthesize": _synthesize,
     "plan": _plan,
     "ray-fit": _ray_fit,
+    "evaluate": _evaluate,
 }
 
 

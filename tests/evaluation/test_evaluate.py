@@ -1,0 +1,126 @@
+"""`tts-lightning evaluate` on the tiny model: a short fine-tune of the demo speakers, exported,
+against the tiny base model's zero-shot cloning (x-vector and ICL) through the official paths."""
+
+import json
+
+import lightning as L
+import pytest
+import soundfile as sf
+import torch
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.__main__ import main
+from tts_lightning.model.export import export_custom_voice
+
+SPEAKERS = ["alice", "bob"]
+SYSTEMS = ["fine_tuned", "zero_shot_xvector", "zero_shot_icl"]
+TEXT = "Good morning to you."
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory, tiny_dir, demo_data):
+    """A 3-step fine-tune of both demo speakers: its full checkpoint and its fp32 export."""
+    from tts_lightning import SpeakerClipsDataModule
+
+    root = tmp_path_factory.mktemp("evaluate")
+    _, manifest, cache = demo_data
+    data = SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0,
+                                  max_frames_per_batch=150)
+    L.seed_everything(0)
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    with torch.no_grad():  # a speaker no batch has shown yet gets the data's embedding, as export needs
+        table = data.speaker_embeddings()
+        for i in range(len(SPEAKERS)):
+            if not bool(module.speaker_embeddings[i].abs().sum() > 0):
+                module.speaker_embeddings[i] = table[i]
+    ckpt = root / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    voice = export_custom_voice(ckpt, root / "voice", dtype="fp32")
+    return root, ckpt, voice, cache
+
+
+def run(*args):
+    return main(["evaluate", *map(str, args)])
+
+
+def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys):
+    root, ckpt, voice, cache = finetuned
+    out = root / "eval-export"
+    assert run("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out,
+               "--text", TEXT, "--num-samples", 2) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "evaluation.json").read_text())
+    assert result["model_kind"] == "exported directory"
+    assert sorted(result["speakers"]) == SPEAKERS
+    for name in SPEAKERS:
+        speaker = result["speakers"][name]
+        assert speaker["texts"] == [TEXT]
+        # The demo split puts all 4 validation clips on alice: bob is scored on his other clips.
+        assert speaker["real_clips_held_out"] == (name == "alice")
+        assert speaker["reference_text"]  # the reference's transcript, for ICL
+        assert 0.03 < speaker["seconds_per_character"] < 0.15  # the real clips' pace
+        assert sorted(speaker["generations"]) == sorted(SYSTEMS)
+        for system in SYSTEMS:
+            gens = speaker["generations"][system]
+            assert [(g["text_index"], g["sample"]) for g in gens] == [(0, 0), (0, 1)]
+            assert [g["seed"] for g in gens] == [0, 1000]  # the same seeds for every system
+            for g in gens:
+                wav, sr = sf.read(g["audio"])
+                assert sr == 24_000 and len(wav) == g["frames"] * 1920
+                assert 2 <= g["frames"] <= g["frame_limit"]
+                assert g["eos_failure"] == (g["frames"] >= g["frame_limit"])
+                assert -1.0 <= g["similarity"] <= 1.0 and g["speaking_rate_ratio"] > 0
+            summary = speaker["summary"][system]
+            assert summary["generations"] == 2 and summary["real_time_factor"] > 0
+            assert summary["eos_failure_rate"] == summary["eos_failures"] / 2
+        for other in SYSTEMS[1:]:
+            for metric in ("speaker_similarity", "pace_error", "eos_failure_rate"):
+                assert speaker["comparison"][other][metric]["verdict"] in ("better", "worse", "within noise")
+    table = (out / "evaluation.md").read_text()
+    assert table in printed
+    header = table.splitlines()[0]
+    assert all(label in header for label in ("fine-tuned", "zero-shot x-vector", "zero-shot ICL", "verdict"))
+    assert "bob: no validation clips" in table
+    for name in SPEAKERS:
+        assert f"| {name} | speaker similarity |" in table and f"| {name} | end-of-speech failures |" in table
+
+    # The training checkpoint itself (exported on the fly, fp32 on CPU): the same audio for the same
+    # seeds, and the base model named by the checkpoint.
+    out_ckpt = root / "eval-ckpt"
+    assert run("--model", ckpt, "--prepared", cache / "prepared.json", "--out", out_ckpt, "--text", TEXT,
+               "--num-samples", 1, "--speaker", "bob", "--no-icl") == 0
+    again = json.loads((out_ckpt / "evaluation.json").read_text())
+    assert again["model_kind"] == "training checkpoint" and list(again["speakers"]) == ["bob"]
+    assert sorted(again["speakers"]["bob"]["generations"]) == ["fine_tuned", "zero_shot_xvector"]
+    for system in ("fine_tuned", "zero_shot_xvector"):
+        a = sf.read(again["speakers"]["bob"]["generations"][system][0]["audio"])[0]
+        b = sf.read(result["speakers"]["bob"]["generations"][system][0]["audio"])[0]
+        assert a.shape == b.shape and abs(a - b).max() < 1e-4
+    assert not [p for p in out_ckpt.iterdir() if p.name.startswith(".evaluate-")]  # the temporary export is gone
+
+
+def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, capsys):
+    root, ckpt, voice, cache = finetuned
+    out = root / "eval-errors"
+    common = ["--prepared", cache, "--out", out, "--text", TEXT]
+
+    assert run("--model", root / "missing.ckpt", "--base", tiny_dir, *common) == 1
+    assert "missing.ckpt does not exist" in capsys.readouterr().err
+
+    assert run("--model", voice, "--base", tiny_dir, "--speaker", "carol", *common) == 1
+    err = capsys.readouterr().err
+    assert "unknown speaker(s) ['carol']" in err and "share ['alice', 'bob']" in err
+
+    assert run("--model", voice, "--base", tiny_custom_voice_dir, *common) == 1
+    err = capsys.readouterr().err
+    assert "base model:" in err and "tts_model_type is 'custom_voice', but 'base' is required" in err
+
+    assert run("--model", voice, *common) == 1
+    assert "give --base" in capsys.readouterr().err
+
+    assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 1
+    assert "no prepared data index" in capsys.readouterr().err
+    assert not list((root / "eval-errors").glob("*.json"))
