@@ -100,6 +100,26 @@ def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodul
     # Logged through Lightning: a ModelCheckpoint could monitor it.
     assert "val/speaker_similarity" in trainer.callback_metrics
     assert module.training  # back in train mode
+    check_pace_and_baseline(acc, runs=2)
+    assert set(samples.baseline_values) == {"speaker_similarity", "speaking_rate_ratio", "eos_failure_rate"}
+
+
+def check_pace_and_baseline(acc, runs):
+    """The pace and end-of-speech metrics at every sampled validation (logged through Lightning,
+    with the similarity); the zero-shot baseline (untrained weights) once, at step 0, with its audio."""
+    steps = [e.step for e in acc.Scalars("val/speaker_similarity")]
+    assert len(steps) == runs
+    for name in ("val/speaking_rate_ratio", "val/eos_failure_rate"):
+        events = acc.Scalars(name)
+        assert [e.step for e in events] == steps
+    assert all(e.value > 0 for e in acc.Scalars("val/speaking_rate_ratio"))
+    assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars("val/eos_failure_rate"))
+    for name in ("speaker_similarity", "speaking_rate_ratio", "eos_failure_rate"):
+        (event,) = acc.Scalars(f"baseline/{name}")
+        assert event.step == 0
+    for speaker in SPEAKERS:
+        assert [e.step for e in acc.Audio(f"baseline_samples/{speaker}/0")] == [0]
+        assert [e.step for e in acc.Scalars(f"baseline/speaker_similarity/{speaker}")] == [0]
 
 
 def test_needs_tensorboard_or_similarity(tiny_dir, make_datamodule, tmp_path, monkeypatch):
@@ -178,7 +198,7 @@ def fsdp_run(tiny_dir, demo_data):
         # The checkpoint monitors the similarity: all ranks must have logged it, or this fails.
         "--checkpoint.monitor", "val/speaker_similarity", "--checkpoint.mode", "max",
         "--checkpoint.filename", "step{step:06d}-sim{val/speaker_similarity:.4f}",
-        cwd=root, timeout=150,
+        cwd=root, timeout=300,
     )
     return run, output
 
@@ -191,6 +211,7 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
     check_audio(acc, steps=[4])
     (score,) = acc.Scalars("val/speaker_similarity")  # logged once, the same on both ranks
     assert -1.0 <= score.value <= 1.0
+    check_pace_and_baseline(acc, runs=1)
     checkpoints = [p for p in run.rglob("step*") if "-sim" in p.name]
     assert checkpoints, "ModelCheckpoint did not save on the monitored metric"
 
@@ -210,9 +231,12 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
     table = data.speaker_embeddings()  # the values the run's buffer holds for every speaker it has seen
     tokenizer = load_text_tokenizer(info)
     rows = [(s, i) for s in range(len(SPEAKERS)) for i in range(len(TEXTS))]
+    # Each sample is capped at max_new_tokens (24) frames: generated with one token more (the
+    # official generation expands all tokens but the last into frames) and cut there.
     codes = generate_codes(model, [tokenize_text(tokenizer, TEXTS[i]) for _, i in rows],
                            torch.stack([table[s] for s, _ in rows]), ["english"] * len(rows),
-                           max_new_tokens=24, seed=0)
+                           max_new_tokens=25, seed=0)
+    codes = [c[:24] for c in codes]
     for (s, i), wav in zip(rows, decode_codes(load_speech_tokenizer(info), codes)):
         logged, _ = sf.read(io.BytesIO(acc.Audio(f"samples/{SPEAKERS[s]}/{i}")[0].encoded_audio_string),
                             dtype="float32")

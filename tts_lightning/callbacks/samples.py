@@ -3,7 +3,16 @@
 After every N-th validation run it speaks a few fixed texts as each speaker of the run with the
 current weights, logs the audio (24 kHz) and a mel spectrogram to TensorBoard at the global step,
 and logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so
-that a `ModelCheckpoint` can monitor it.
+that a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
+over the speaker's real clips'; 1 = the speaker's pace) and ``val/eos_failure_rate`` (the share of
+samples that did not end within a limit set from the text's length and the speaker's pace).
+
+Once, when a run starts from step 0, the same samples are made with the untrained weights: the base
+model cloning each speaker zero-shot from its x-vector (the speaker embedding the run trains with,
+non-streaming, the layout training uses). Their values are logged at step 0 as ``baseline/...`` (and
+their audio as ``baseline_samples/...``): the line the fine-tuned voice has to beat. With
+``stop_below_baseline=N`` training stops when the similarity stays below the baseline's for N
+sampled validations in a row.
 
 Under FSDP the weights are flat shards outside the training step. Every rank enters
 ``FullyShardedDataParallel.summon_full_params(rank0_only=True, offload_to_cpu=True)`` (one
@@ -30,6 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
 DEFAULT_TEXTS = (
@@ -37,6 +47,11 @@ DEFAULT_TEXTS = (
     "Please call me back when you get this message.",
 )
 METRIC_NAME = "val/speaker_similarity"
+RATE_NAME = "val/speaking_rate_ratio"
+EOS_NAME = "val/eos_failure_rate"
+METRICS = {"speaker_similarity": METRIC_NAME, "speaking_rate_ratio": RATE_NAME, "eos_failure_rate": EOS_NAME}
+BASELINE_PREFIX = "baseline/"
+PACE_CLIPS = 8  # at most this many of a speaker's clips measure its pace
 
 
 @contextlib.contextmanager
@@ -119,6 +134,13 @@ class SpeakerSamplesCallback(Callback):
         language: the language tag to speak with; default each speaker's most common training
             language from the data module's prepared index, else "auto".
         speakers: the speakers to sample; default all of the run's speakers.
+        baseline: when the run starts at step 0, sample once with the untrained weights (zero-shot
+            x-vector cloning) and log ``baseline/speaker_similarity``, ``baseline/speaking_rate_ratio``
+            and ``baseline/eos_failure_rate`` at step 0.
+        stop_below_baseline: stop training when ``val/speaker_similarity`` is below the baseline's for
+            this many sampled validations in a row (None: never).
+        limit_factor: a sample fails to end when it runs past this many times the speaker's time for
+            its text (``max_new_tokens`` still caps it).
     """
 
     def __init__(
@@ -130,6 +152,9 @@ class SpeakerSamplesCallback(Callback):
         similarity: bool = True,
         language: str | None = None,
         speakers: list[str] | None = None,
+        baseline: bool = True,
+        stop_below_baseline: int | None = None,
+        limit_factor: float = 3.0,
     ) -> None:
         if every_n_val_epochs < 1:
             raise ValueError(f"every_n_val_epochs must be >= 1, got {every_n_val_epochs}")
@@ -145,12 +170,22 @@ class SpeakerSamplesCallback(Callback):
         self.similarity = similarity
         self.language = language
         self.speakers = None if speakers is None else list(speakers)
+        if stop_below_baseline is not None and stop_below_baseline < 1:
+            raise ValueError(f"stop_below_baseline must be >= 1 or None, got {stop_below_baseline}")
+        if limit_factor <= 0:
+            raise ValueError(f"limit_factor must be > 0, got {limit_factor}")
+        self.baseline = baseline
+        self.stop_below_baseline = stop_below_baseline
+        self.limit_factor = float(limit_factor)
+        self.baseline_values: dict[str, float | None] | None = None
+        self.below_baseline = 0
         self.validation_runs = 0
         self._warned: set[str] = set()
         self._text = None  # text tokenizer, rank 0 only
         self._speech = None  # speech tokenizer, rank 0 only, kept in host memory
         self._index: dict | None = None
         self._references: dict[str, Tensor] = {}
+        self._paces: dict[str, float | None] = {}
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -158,17 +193,31 @@ class SpeakerSamplesCallback(Callback):
         return self._generate_state_key(every_n_val_epochs=self.every_n_val_epochs, texts=self.texts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"validation_runs": self.validation_runs}
+        return {"validation_runs": self.validation_runs, "baseline_values": self.baseline_values,
+                "below_baseline": self.below_baseline}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validation_runs = int(state_dict.get("validation_runs", 0))
+        self.baseline_values = state_dict.get("baseline_values")
+        self.below_baseline = int(state_dict.get("below_baseline", 0))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message)
 
-    # -- the hook ------------------------------------------------------------------------------
+    # -- the hooks ------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The zero-shot baseline, once: only from step 0 (a resumed run keeps the one it saved)."""
+        if not self.baseline or self.baseline_values is not None or trainer.global_step != 0:
+            return
+        loggers = self._tensorboard_loggers(trainer)
+        scoring = self.similarity and self._similarity_available()
+        if not loggers and not scoring:
+            return
+        values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=True)
+        self.baseline_values = values
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # `self.log` is allowed here (not in on_validation_end), so the similarity can be monitored.
         if trainer.sanity_checking:
@@ -182,7 +231,37 @@ class SpeakerSamplesCallback(Callback):
         scoring = self.similarity and self._similarity_available()
         if not loggers and not scoring:
             return
-        similarity: float | None = None
+        values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=False)
+        if values is None:
+            return
+        for key, name in METRICS.items():
+            if values.get(key) is not None:
+                # The same value and key on every rank; the epoch-end reduction is entered by all.
+                pl_module.log(name, float(values[key]), on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
+        self._check_baseline(trainer, values)
+
+    def _check_baseline(self, trainer: pl.Trainer, values: dict[str, float | None]) -> None:
+        """Early stop on similarity below the baseline; every rank holds the same broadcast values,
+        so every rank decides the same."""
+        if self.stop_below_baseline is None:
+            return
+        base = (self.baseline_values or {}).get("speaker_similarity")
+        ours = values.get("speaker_similarity")
+        if base is None or ours is None:
+            return
+        self.below_baseline = self.below_baseline + 1 if ours < base else 0
+        if self.below_baseline >= self.stop_below_baseline:
+            rank_zero_warn(
+                f"SpeakerSamplesCallback: {METRIC_NAME} has been below the zero-shot baseline ({base:.4f}) for "
+                f"{self.below_baseline} sampled validation(s) in a row (now {ours:.4f}); stopping training"
+            )
+            trainer.should_stop = True
+
+    def _sample_collectively(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list,
+                             scoring: bool, *, baseline: bool) -> dict[str, float | None] | None:
+        """Collective on all ranks: rank 0 generates, logs and scores; every rank returns rank 0's
+        metric values (None when nothing was sampled)."""
+        values: dict[str, float | None] | None = None
         error: BaseException | None = None
         generated = None
         # Sampling, and building the tokenizers and the encoder (random init before loading), draw
@@ -197,21 +276,18 @@ class SpeakerSamplesCallback(Callback):
         if generated is not None:  # rank 0, the generation copy freed
             try:
                 with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
-                    similarity = self._log_and_score(trainer, pl_module, generated, loggers, scoring)
+                    values = self._log_and_score(trainer, pl_module, generated, loggers, scoring, baseline=baseline)
             except Exception as exc:
                 error = exc
         shared = trainer.strategy.broadcast(
-            {"similarity": similarity, "error": None if error is None else f"{type(error).__name__}: {error}"},
+            {"values": values, "error": None if error is None else f"{type(error).__name__}: {error}"},
             src=0,
         )
         if error is not None:
             raise error
         if shared["error"] is not None:
             raise RuntimeError(f"SpeakerSamplesCallback failed on rank 0: {shared['error']}")
-        if shared["similarity"] is not None:
-            # The same value and key on every rank; the epoch-end reduction is entered by all.
-            pl_module.log(METRIC_NAME, float(shared["similarity"]), on_step=False, on_epoch=True,
-                          sync_dist=True, batch_size=1)
+        return shared["values"]
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
@@ -226,42 +302,66 @@ class SpeakerSamplesCallback(Callback):
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self._language(trainer, s) for s, _ in rows]
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
+        limits = [self._frame_limit(trainer, s, self.texts[i]) for s, i in rows]
         modes = {m: m.training for m in model.modules()}
         model.eval()
         try:
             with torch.no_grad():
                 codes = generate_codes(
-                    model, text_ids, row_embeddings, languages, max_new_tokens=self.max_new_tokens,
+                    model, text_ids, row_embeddings, languages, max_new_tokens=max_new_tokens_for(max(limits)),
                     seed=self.seed, dtype=model.talker.get_input_embeddings().weight.dtype,
                 )
         finally:
             for module, training in modes.items():
                 module.training = training
-        return rows, codes
+        failures = [hit_frame_limit(c.shape[0], limit) for c, limit in zip(codes, limits)]
+        return rows, [c[:limit] for c, limit in zip(codes, limits)], failures
 
     def _log_and_score(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generated: tuple,
-                       loggers: list, scoring: bool) -> float | None:
-        rows, codes = generated
+                       loggers: list, scoring: bool, *, baseline: bool = False) -> dict[str, float | None]:
+        rows, codes, failures = generated
         speech_tokenizer = self._speech_tokenizer(pl_module)
         with speech_tokenizer_on(speech_tokenizer, pl_module.device):
             wavs = decode_codes(speech_tokenizer, codes)
         step = int(trainer.global_step)
+        samples, spectrograms = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
         for logger in loggers:
             writer = logger.experiment
             for i, text in enumerate(self.texts):
-                writer.add_text(f"samples/text_{i}", text, step)
+                writer.add_text(f"{samples}/text_{i}", text, step)
             for (speaker, i), wav in zip(rows, wavs):
                 if wav.size == 0:
                     continue
-                writer.add_audio(f"samples/{speaker}/{i}", torch.from_numpy(np.clip(wav, -1.0, 1.0))[None],
+                writer.add_audio(f"{samples}/{speaker}/{i}", torch.from_numpy(np.clip(wav, -1.0, 1.0))[None],
                                  step, sample_rate=SAMPLE_RATE)
-                writer.add_image(f"spectrograms/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
+                writer.add_image(f"{spectrograms}/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
             writer.flush()
-        if not scoring:
-            return None
-        return self._score(trainer, rows, wavs, loggers, step)
+        values = {
+            "speaker_similarity": self._score(trainer, rows, wavs, loggers, step, baseline) if scoring else None,
+            "speaking_rate_ratio": self._rate_ratio(trainer, rows, wavs),
+            "eos_failure_rate": sum(failures) / len(failures),
+        }
+        if baseline:
+            for logger in loggers:
+                for key, value in values.items():
+                    if value is not None:
+                        logger.experiment.add_scalar(BASELINE_PREFIX + key, value, step)
+                logger.experiment.flush()
+        return values
 
-    def _score(self, trainer, rows, wavs, loggers, step) -> float | None:
+    def _rate_ratio(self, trainer: pl.Trainer, rows: list, wavs: list) -> float | None:
+        """Mean over audible samples of their seconds per character over their speaker's."""
+        from tts_lightning.metrics.speech import speaking_rate_ratio
+
+        ratios = []
+        for (speaker, i), wav in zip(rows, wavs):
+            pace = self._pace(trainer, speaker)
+            if pace is None or wav.size == 0 or not np.abs(wav).max() > 0:
+                continue
+            ratios.append(speaking_rate_ratio(wav, self.texts[i], SAMPLE_RATE, pace))
+        return float(np.mean(ratios)) if ratios else None
+
+    def _score(self, trainer, rows, wavs, loggers, step, baseline: bool = False) -> float | None:
         from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity
 
         # Rank 0 alone scores: its metrics must not sync in compute() (a collective the other
@@ -276,7 +376,8 @@ class SpeakerSamplesCallback(Callback):
             one.update(generated, reference)
             overall.update(generated, reference)
             for logger in loggers:
-                logger.experiment.add_scalar(f"{METRIC_NAME}/{speaker}", float(one.compute()), step)
+                name = f"{BASELINE_PREFIX}speaker_similarity" if baseline else METRIC_NAME
+                logger.experiment.add_scalar(f"{name}/{speaker}", float(one.compute()), step)
         if int(overall.count) == 0:
             self._warn_once("no-score", "SpeakerSamplesCallback: no sample could be scored (no reference clips "
                             "or only empty audio); val/speaker_similarity is not logged")
@@ -379,6 +480,39 @@ class SpeakerSamplesCallback(Callback):
             clips = [load_audio(path, SAMPLE_RATE) for path in entry["references"]]
             self._references[speaker] = reference_embedding(clips, SAMPLE_RATE)
         return self._references[speaker]
+
+    def _pace(self, trainer: pl.Trainer, speaker: str) -> float | None:
+        """The speaker's seconds of speech per character on its real clips (its reference and
+        validation clips, else its first clips; at most `PACE_CLIPS`), None without a prepared index."""
+        if speaker not in self._paces:
+            index = self._prepared_index(trainer) or {}
+            entry = next((s for s in index.get("speakers", []) if s.get("name") == speaker), None) or {}
+            refs = set(entry.get("references") or [])
+            own = [c for c in index.get("clips", []) if c.get("speaker") == speaker and c.get("text")]
+            chosen = ([c for c in own if c["audio"] in refs or c.get("split") == "val"] or own)[:PACE_CLIPS]
+            pace = None
+            if chosen:
+                from tts_lightning.data.audio import load_audio
+                from tts_lightning.metrics.speech import seconds_per_character
+
+                try:
+                    pace = seconds_per_character([load_audio(c["audio"], SAMPLE_RATE).numpy() for c in chosen],
+                                                 [c["text"] for c in chosen], SAMPLE_RATE) or None
+                except (OSError, ValueError, RuntimeError) as exc:
+                    self._warn_once(f"pace-{speaker}", f"SpeakerSamplesCallback: cannot measure {speaker!r}'s pace "
+                                                       f"({exc}); its samples are capped by max_new_tokens only")
+            self._paces[speaker] = pace
+        return self._paces[speaker]
+
+    def _frame_limit(self, trainer: pl.Trainer, speaker: str, text: str) -> int:
+        """Frames a sample may take before it counts as not ending: from the text and the speaker's
+        pace, at most ``max_new_tokens``."""
+        from tts_lightning.metrics.speech import frame_limit
+
+        pace = self._pace(trainer, speaker)
+        if pace is None:
+            return self.max_new_tokens
+        return frame_limit(text, pace, factor=self.limit_factor, max_frames=self.max_new_tokens)
 
 
 def _cuda_devices(device: torch.device) -> list[int]:
