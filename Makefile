@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(BIN)/tts-lightning: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ demo: install
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
+
+# The edit loop: everything but the multi-process and long-running tests (marked slow).
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs
