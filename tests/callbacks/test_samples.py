@@ -308,3 +308,20 @@ def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
     for name in written:
         wav, sr = sf.read(out / name)
         assert sr == 24_000 and len(wav) >= 2 * 1920 and len(wav) % 1920 == 0
+
+
+def test_stops_when_similarity_stays_below_the_baseline():
+    """The decision uses only the broadcast values, so every rank takes the same one."""
+    import contextlib
+    from types import SimpleNamespace
+
+    samples = SpeakerSamplesCallback(stop_below_baseline=2)
+    samples.load_state_dict({"validation_runs": 3, "baseline_values": {"speaker_similarity": 0.6}})
+    trainer = SimpleNamespace(should_stop=False)
+    for value, stops in [(0.5, False), (0.7, False), (0.55, False), (0.59, True)]:
+        with pytest.warns(UserWarning, match="below the zero-shot baseline") if stops else contextlib.nullcontext():
+            samples._check_baseline(trainer, {"speaker_similarity": value})
+        assert trainer.should_stop == stops
+    assert samples.state_dict()["below_baseline"] == 2
+    with pytest.raises(ValueError, match="stop_below_baseline"):
+        SpeakerSamplesCallback(stop_below_baseline=0)

@@ -198,7 +198,8 @@ class SpeakerSamplesCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validation_runs = int(state_dict.get("validation_runs", 0))
-        self.baseline_values = state_dict.get("baseline_values")
+        if state_dict.get("baseline_values") is not None:
+            self.baseline_values = state_dict["baseline_values"]
         self.below_baseline = int(state_dict.get("below_baseline", 0))
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -208,8 +209,12 @@ class SpeakerSamplesCallback(Callback):
 
     # -- the hooks ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The zero-shot baseline, once: only from step 0 (a resumed run keeps the one it saved)."""
-        if not self.baseline or self.baseline_values is not None or trainer.global_step != 0:
+        """The zero-shot baseline, once, with the base weights. A resumed run keeps the one its
+        checkpoint saved. Strategies that restore before setup have already loaded the trained weights
+        here (``trainer.ckpt_path`` is set): no baseline then. FSDP restores after this hook, so the
+        weights here are still the base model's and the baseline is right (the saved one, when there
+        is one, replaces it on restore)."""
+        if not self.baseline or self.baseline_values is not None or trainer.ckpt_path is not None:
             return
         loggers = self._tensorboard_loggers(trainer)
         scoring = self.similarity and self._similarity_available()
