@@ -68,7 +68,11 @@ def test_config_parses_against_the_signatures(parse, config):
     assert cfg.model.pretrained == cfg.data.pretrained  # linked, never stated twice
     assert cfg.data.train_manifest
     for key, value in raw.get("model", {}).items():  # what the YAML says is what the model gets
-        assert cfg.model[key] == value, key
+        if isinstance(value, dict):  # a typed group (model.adapter): every key it sets
+            for sub, sub_value in value.items():
+                assert cfg.model[key][sub] == sub_value, f"{key}.{sub}"
+        else:
+            assert cfg.model[key] == value, key
     for key, value in raw["data"].items():
         assert cfg.data[key] == value, key
 

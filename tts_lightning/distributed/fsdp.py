@@ -152,6 +152,8 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         # already-wrapped model. FSDP1 on CPU needs device_id=cpu (Lightning passes the index, None
         # on CPU), and a meta-built model is materialized unit by unit as it is wrapped.
         kwargs = dict(self.kwargs)
+        if getattr(model, "wrap_trainable_leaves", False) and kwargs.get("auto_wrap_policy") is not None:
+            kwargs["auto_wrap_policy"] = _with_trainable_leaves(kwargs["auto_wrap_policy"])
         weights = getattr(model, "pending_weights", None)
         if weights is not None:
             broadcast = self.world_size > 1
@@ -175,6 +177,49 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         finally:
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's FSDP loading, plus checkpoints that hold only the trainable tensors (a LoRA
+        run, `Qwen3TTSModule.frozen_keys`): the frozen base weights keep the values they were
+        built with (from the pretrained directory); every trainable tensor must be there."""
+        from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
+
+        module = self.lightning_module
+        frozen = getattr(module, "frozen_keys", None)
+        if not frozen or getattr(module, "adapter", None) is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        if _is_full_checkpoint(path):
+            from lightning.fabric.utilities.load import _lazy_load
+
+            _check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
+            return super().load_checkpoint(path, weights_only)  # strict_loading is off for adapters
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only)
+        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _get_sharded_state_dict_context
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        stored = {k[len("model."):] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                  if k.startswith("model.")}
+        _check_trainable(module, stored, path)
+        with _get_sharded_state_dict_context(self.model):
+            state = self.model.state_dict()
+            # Read what the checkpoint holds into the module's own (sharded) tensors; the frozen
+            # ones keep their values, and the whole state goes back in (FSDP needs every key).
+            load({"model": {k: v for k, v in state.items() if k in stored}}, checkpoint_id=path)
+            self.model.load_state_dict(state, strict=True)
+            if module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+                reader = FileSystemReader(path=path)
+                for idx, optim in enumerate(self.optimizers):
+                    key = f"optimizer_{idx}"
+                    optim_state = load_sharded_optimizer_state_dict(
+                        model_state_dict=state, optimizer_key=key, storage_reader=reader)
+                    optim.load_state_dict(FSDP.optim_state_dict_to_load(
+                        optim_state_dict=optim_state[key], model=self.model, optim=optim))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if self._state_dict_type != "full" or self.root_device.type != "cpu":
@@ -244,6 +289,30 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
             flush=True,
         )
         return model
+
+
+def _check_trainable(module: nn.Module, stored: set[str], path: Path) -> None:
+    missing = sorted(k for k in getattr(module, "trainable_keys", ()) if k not in stored)
+    if missing:
+        raise KeyError(f"{path} lacks {len(missing)} trainable tensor(s) of this run, e.g. {missing[:3]} "
+                       "(was it trained with another `adapter` setting?)")
+
+
+def _with_trainable_leaves(policy):
+    """``policy`` or: every leaf module whose parameters all train (LoRA's lora_A / lora_B, the
+    extras trained in full) is a unit of its own. FSDP1 keeps a full-size gradient for a unit that
+    mixes frozen and trainable parameters; this way the frozen units have none (peft's
+    ``fsdp_auto_wrap_policy`` does the same)."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy
+
+    def trainable_leaf(module: nn.Module) -> bool:
+        params = list(module.parameters(recurse=False))
+        return (not list(module.children()) and bool(params) and all(p.requires_grad for p in params))
+
+    leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf)
+    return functools.partial(_or_policy, policies=[leaves, policy])
 
 
 class CheckpointWriteError(OSError):

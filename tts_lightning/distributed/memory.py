@@ -35,6 +35,14 @@ What is modelled, per GPU (bytes; GiB = 2**30 in the table and for ``gpu_memory_
 * **Overhead**: a constant 1 GiB for the CUDA context, cuBLAS/cuDNN/NCCL workspaces and caching-
   allocator fragmentation. It is not measured; real fragmentation can be larger.
 
+* **LoRA** (``adapter``): the adapters are injected with peft into the meta model, so their
+  parameters are counted exactly; each adapter matrix (and each leaf module trained in full,
+  ``adapter.trainable``) is an FSDP unit of its own, as `Qwen3TTSFSDPStrategy` wraps them, so only
+  they have gradients (4 B) and AdamW states (8 B). The frozen base is stored in the run's
+  precision (``adapter.base_dtype: auto``): 2 B per parameter under bf16-mixed, 4 B under 32-true,
+  sharded like any parameter. The adapters' own activations (r values per token per adapted
+  layer) are not modelled.
+
 Not modelled: DDP's own gradient buckets (NO_SHARD here means FSDP NO_SHARD), the attention mask
 (B x S x S bytes, shared by all layers), the speech tokenizer (not used in training), eval steps.
 """
@@ -217,11 +225,25 @@ def build_meta_model(config: Mapping[str, Any]) -> nn.Module:
 
 
 @lru_cache(maxsize=16)
-def _model_shape(config_json: str, wrap: tuple[str, ...]) -> ModelShape:
+def _model_shape(config_json: str, wrap: tuple[str, ...], adapter_json: str = "null") -> ModelShape:
+    from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
+    from tts_lightning.model.module import matches
+
     model = build_meta_model(json.loads(config_json))
+    adapter = LoRASettings.coerce(json.loads(adapter_json))
+    if adapter is not None:
+        model = inject_lora(model, adapter)
     wrap_classes = _import_classes(wrap)
     units: list[Unit] = []
     seen: set[int] = set()
+
+    def own_unit(child: nn.Module, name: str) -> bool:
+        if isinstance(child, wrap_classes):
+            return True
+        if adapter is None or list(child.children()):
+            return False
+        params = [f"{name}.{n}" for n, _ in child.named_parameters(recurse=False)]
+        return bool(params) and all(is_adapter_key(p) or matches(checkpoint_key(p), adapter.trainable) for p in params)
 
     def collect(module: nn.Module, prefix: str, owned: list) -> None:
         # Assign each parameter to the innermost enclosing wrapped module, as FSDP's auto-wrap does.
@@ -230,11 +252,12 @@ def _model_shape(config_json: str, wrap: tuple[str, ...]) -> ModelShape:
                 seen.add(id(param))
                 owned.append((f"{prefix}{name}", param.numel()))
         for name, child in module.named_children():
-            if isinstance(child, wrap_classes):
+            if own_unit(child, f"{prefix}{name}"):
                 mine: list = []
                 collect(child, f"{prefix}{name}.", mine)
                 kind = "embedding" if isinstance(child, nn.Embedding) else (
-                    "layer" if "DecoderLayer" in type(child).__name__ else "other")
+                    "layer" if "DecoderLayer" in type(child).__name__ else (
+                        "adapter" if ".lora_" in f".{prefix}{name}" else "other"))
                 units.append(Unit(f"{prefix}{name}", kind, tuple(mine)))
             else:
                 collect(child, f"{prefix}{name}.", owned)
@@ -247,6 +270,13 @@ def _model_shape(config_json: str, wrap: tuple[str, ...]) -> ModelShape:
     layer = talker.model.layers[0]
     predictor = talker.code_predictor
     cp_layer = predictor.model.layers[0]
+    if adapter is not None:  # the widths of the base layers, not of peft's wrappers
+        from peft.tuners.lora import LoraLayer
+
+        for mod in list(model.modules()):
+            for child_name, child in list(mod.named_children()):
+                if isinstance(child, LoraLayer):
+                    setattr(mod, child_name, child.get_base_layer())
     dims = {
         "layers": len(talker.model.layers),
         "hidden": layer.self_attn.q_proj.in_features,
@@ -269,12 +299,17 @@ def _model_shape(config_json: str, wrap: tuple[str, ...]) -> ModelShape:
     return ModelShape(tuple(units), dims)
 
 
-def model_shape(model: str | os.PathLike | Mapping[str, Any], wrap: Sequence[str] | None = None) -> ModelShape:
-    """FSDP units and activation-relevant widths of a model, from its meta-device build."""
+def model_shape(model: str | os.PathLike | Mapping[str, Any], wrap: Sequence[str] | None = None,
+                adapter: Any = None) -> ModelShape:
+    """FSDP units and activation-relevant widths of a model, from its meta-device build (with the
+    LoRA adapters of ``adapter`` injected, as `Qwen3TTSModule` does)."""
     from tts_lightning.distributed.fsdp import DEFAULT_WRAP
+    from tts_lightning.model.lora import LoRASettings
 
     _, config = resolve_config(model)
-    return _model_shape(json.dumps(config, sort_keys=True), tuple(DEFAULT_WRAP if wrap is None else wrap))
+    settings = LoRASettings.coerce(adapter)
+    return _model_shape(json.dumps(config, sort_keys=True), tuple(DEFAULT_WRAP if wrap is None else wrap),
+                        json.dumps(None if settings is None else settings.to_dict(), sort_keys=True))
 
 
 def count_parameters(model: str | os.PathLike | Mapping[str, Any]) -> int:
@@ -365,6 +400,7 @@ class MemoryPlan:
     samples_cache: int = 0  # rank 0: the talker's KV cache for all sampled rows
     speech_tokenizer: int = 0  # rank 0: the speech tokenizer on the GPU while it decodes (fp32)
     samples_total: int = 0  # rank 0 at the sampling peak (training activations are gone then)
+    adapter: dict | None = None  # LoRA settings (`tts_lightning.model.lora.LoRASettings`), if any
     notes: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -377,9 +413,13 @@ class MemoryPlan:
         ckpt = "on" if self.activation_checkpointing else "off"
         offload = "on" if self.cpu_offload else "off"
         cdt = "bf16" if self.precision == "bf16-mixed" else "fp32"
+        frozen = ', '.join(self.freeze) or 'nothing'
+        if self.adapter is not None:
+            frozen = (f"everything but LoRA r{self.adapter['rank']}/alpha{self.adapter['alpha']:g} adapters"
+                      + (f" and {', '.join(self.adapter['trainable'])}" if self.adapter.get("trainable") else ""))
         lines = [
             f"Qwen3-TTS memory plan: {self.model}: {self.total_parameters / 1e6:,.1f}M parameters, "
-            f"{self.trainable_parameters / 1e6:,.1f}M trainable (frozen: {', '.join(self.freeze) or 'nothing'})",
+            f"{self.trainable_parameters / 1e6:,.1f}M trainable (frozen: {frozen})",
             f"{self.gpus} GPU(s) x {self.gpu_memory / GiB:.1f} GiB, {self.sharding}, {self.precision}, "
             f"activation checkpointing {ckpt}, cpu offload {offload}, "
             f"{self.micro_batch_frames} talker positions per micro-batch, {self.units} FSDP units",
@@ -438,6 +478,7 @@ def plan_memory(
     sample_rows: int = 4,
     sample_frames: int = 600,
     advise: bool = True,
+    adapter: Any = None,
 ) -> MemoryPlan:
     """Plan per-GPU memory for one training step.
 
@@ -453,7 +494,10 @@ def plan_memory(
             in the compute dtype plus the KV cache of ``sample_rows`` rows (speakers x texts) of up
             to ``sample_frames`` frames (``max_new_tokens``), then the speech tokenizer (counted when
             ``model`` is a local directory) while it decodes.
+        adapter: LoRA settings (`tts_lightning.model.lora.LoRASettings` or its dict) as
+            `Qwen3TTSModule`'s ``adapter``: only the adapters and ``adapter.trainable`` train.
     """
+    from tts_lightning.model.lora import LoRASettings, checkpoint_key, is_adapter_key
     from tts_lightning.model.module import matches
 
     if sharding not in SHARDINGS:
@@ -463,7 +507,8 @@ def plan_memory(
     if gpus < 1 or micro_batch_frames < 1 or gpu_memory_gb <= 0:
         raise ValueError("gpus, micro_batch_frames and gpu_memory_gb must be positive")
     name, config = resolve_config(model)
-    shape = model_shape(config, auto_wrap_policy)
+    settings = LoRASettings.coerce(adapter)
+    shape = model_shape(config, auto_wrap_policy, settings)
     freeze = list(freeze)
     b = 2 if precision == "bf16-mixed" else 4
     notes: list[str] = []
@@ -473,8 +518,14 @@ def plan_memory(
         notes.append(f"{sharding} on one GPU runs as NO_SHARD (FSDP switches when the world size is 1)")
     shards = gpus if effective != "NO_SHARD" else 1
 
+    def is_trainable(p: str) -> bool:
+        if settings is None:
+            return not matches(p, freeze)
+        return (is_adapter_key(p) or matches(checkpoint_key(p), settings.trainable)) \
+            and not matches(checkpoint_key(p), freeze)
+
     def trainable(unit: Unit) -> int:
-        return sum(n for p, n in unit.params if not matches(p, freeze))
+        return sum(n for p, n in unit.params if is_trainable(p))
 
     total_params = shape.numel
     train_params = sum(trainable(u) for u in shape.units)
@@ -487,6 +538,11 @@ def plan_memory(
             f"({', '.join(mixed[:3])}{'...' if len(mixed) > 3 else ''}): FSDP keeps their gradient"
         )
     params_b = 4 * math.ceil(total_params / shards)
+    if settings is not None:  # the frozen base in its storage dtype (bf16 under bf16-mixed), the rest fp32
+        frozen_bytes = 2 if settings.frozen_dtype(precision) == torch.bfloat16 else 4
+        params_b = 4 * math.ceil(train_params / shards) + frozen_bytes * math.ceil((total_params - train_params) / shards)
+        notes.append(f"LoRA: frozen base stored in {'bf16' if frozen_bytes == 2 else 'fp32'}, "
+                     f"adapters{' and extras' if settings.trainable else ''} in fp32 with AdamW state")
     grads_b = 4 * math.ceil(grad_numel / shards)
     optim_b = 8 * math.ceil(train_params / shards)
     host = 0
@@ -580,6 +636,7 @@ def plan_memory(
         samples_cache=samples_cache,
         speech_tokenizer=tokenizer,
         samples_total=samples_total,
+        adapter=None if settings is None else settings.to_dict(),
     )
     if ckpt_t != ckpt_cp:
         notes.append("activation checkpointing covers only the " + ("talker" if ckpt_t else "code predictor"))
@@ -588,7 +645,8 @@ def plan_memory(
             gpus=gpus, gpu_memory_gb=gpu_memory_gb, sharding=sharding, precision=precision,
             activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload, freeze=freeze,
             micro_batch_frames=micro_batch_frames, auto_wrap_policy=auto_wrap_policy, samples=samples,
-            sample_rows=sample_rows, sample_frames=sample_frames))
+            sample_rows=sample_rows, sample_frames=sample_frames,
+            adapter=None if settings is None else settings.to_dict()))
     return plan
 
 
@@ -629,7 +687,7 @@ def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
     if settings["sharding"] != "FULL_SHARD" and settings["gpus"] > 1 and attempt(
         "use sharding_strategy FULL_SHARD", sharding="FULL_SHARD"):
         return advice
-    if not matches(TEXT_EMBEDDING + ".weight", settings["freeze"]) and attempt(
+    if settings.get("adapter") is None and not matches(TEXT_EMBEDDING + ".weight", settings["freeze"]) and attempt(
         f"freeze {TEXT_EMBEDDING} (model.freeze; 311M parameters in the released models, rarely "
         "worth training for a new voice)", freeze=settings["freeze"] + [TEXT_EMBEDDING]):
         return advice
@@ -736,6 +794,9 @@ def plan_from_config(
     if sharding == "HYBRID_SHARD":
         raise ValueError(f"{path}: HYBRID_SHARD is not planned (plan FULL_SHARD with the GPUs of one node)")
     freeze = model_sec.get("freeze", list(DEFAULT_FREEZE))
+    adapter = model_sec.get("adapter")
+    if isinstance(adapter, Mapping) and isinstance(adapter.get("init_args"), Mapping):
+        adapter = adapter["init_args"]
     frames = data.get("max_frames_per_batch") or 2000
     samples = next((c for c in trainer.get("callbacks") or [] if isinstance(c, Mapping)
                     and str(c.get("class_path", "")).endswith("SpeakerSamplesCallback")), None)
@@ -754,4 +815,5 @@ def plan_from_config(
         samples=samples is not None,
         sample_frames=int(sample_args.get("max_new_tokens", 240)),
         sample_rows=len(sample_args.get("texts") or (0, 0)) * max(1, len(sample_args.get("speakers") or (0, 0))),
+        adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
     )

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                              "'--freeze' alone freezes nothing)")
     parser.add_argument("--frames", type=int, default=2000,
                         help="padded talker positions per micro-batch (data.max_frames_per_batch)")
+    parser.add_argument("--lora-rank", type=int, metavar="R",
+                        help="plan LoRA adapters of rank R (alpha 2R, the default targets) instead of full fine-tuning")
     return parser
 
 
@@ -43,7 +45,7 @@ def plan_command(argv: list[str]) -> int:
             ("--sharding", args.sharding, "FULL_SHARD"), ("--precision", args.precision, "bf16-mixed"),
             ("--no-activation-checkpointing", args.no_activation_checkpointing, False),
             ("--cpu-offload", args.cpu_offload, False), ("--freeze", args.freeze, None),
-            ("--frames", args.frames, 2000)) if value != default]
+            ("--frames", args.frames, 2000), ("--lora-rank", args.lora_rank, None)) if value != default]
         if given:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
     try:
@@ -60,6 +62,7 @@ def plan_command(argv: list[str]) -> int:
                 cpu_offload=args.cpu_offload,
                 freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
                 micro_batch_frames=args.frames,
+                adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
             )
     except (ValueError, OSError) as exc:
         print(f"tts-lightning plan: {exc}", file=sys.stderr)

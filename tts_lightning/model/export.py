@@ -6,6 +6,11 @@ up there and gets exactly the likelihoods the speaker slot had in training). The
 dropped, as in a released CustomVoice model. Written beside its destination and renamed, so a crash
 leaves no half export. The weights stream from the checkpoint a tensor at a time (never its
 optimizer state), so export needs about one shard of memory, not the checkpoint's size.
+
+A LoRA checkpoint (``hyper_parameters.adapter`` set) holds only the adapters, the extras trained in
+full and the speaker table: the other weights are read from the pretrained directory, and each
+adapted layer is written merged, ``W + alpha / rank * B @ A`` computed in fp32. `export_adapter`
+writes the adapter alone in peft's format instead.
 """
 
 from __future__ import annotations
@@ -49,7 +54,78 @@ def _new_speaker_ids(talker_config: dict, count: int) -> list[int]:
     return ids
 
 
-def _shards(reader: CheckpointReader, keys: list[str], itemsize: int, max_bytes: int) -> list[list[str]]:
+class _LoRASource:
+    """The merged model's tensors, one at a time: pretrained weights, the checkpoint's trainable
+    extras, and adapted layers merged with their adapters. Keys are ``model.<hf key>`` like a
+    full checkpoint's."""
+
+    def __init__(self, reader: CheckpointReader, info, settings) -> None:
+        from safetensors import safe_open
+
+        from tts_lightning.model.loading import WeightReader
+        from tts_lightning.model.lora import checkpoint_key, is_adapter_key
+
+        self.reader, self.base, self.scaling = reader, WeightReader(info), settings.scaling
+        self.stored = {checkpoint_key(k[len("model."):]): k for k in reader.tensor_keys()
+                       if k.startswith("model.") and not is_adapter_key(k)}
+        adapters = [k for k in reader.tensor_keys() if ".lora_A." in k]
+        self.adapted = {k[len("model."):].split(".lora_A.")[0] + ".weight": k for k in adapters}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for key, file in self.base.file_of.items():
+            with safe_open(str(self.base.path / file), framework="pt") as f:
+                self.shapes[key] = tuple(f.get_slice(key).get_shape())
+        unknown = sorted(set(self.stored) - set(self.shapes)) + sorted(set(self.adapted) - set(self.shapes))
+        if unknown:
+            raise CheckpointError(f"{reader.path}: tensors {unknown[:5]} are not in the pretrained weights")
+
+    def keys(self) -> list[str]:
+        return ["model." + k for k in self.base.file_of]
+
+    def numel(self, key: str) -> int:
+        return int(torch.Size(self.shapes[key[len("model."):]]).numel())
+
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        from tts_lightning.model.lora import merge
+
+        name = key[len("model."):]
+        if name in self.stored:
+            value = self.reader.read([self.stored[name]])[self.stored[name]]
+        else:
+            value = self.base.read(name)
+            if name in self.adapted:
+                a_key = self.adapted[name]
+                b_key = a_key.replace(".lora_A.", ".lora_B.")
+                pair = self.reader.read([a_key, b_key])
+                value = merge(value, pair[a_key], pair[b_key], self.scaling)
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value
+
+
+class _CheckpointSource:
+    """A full fine-tuning checkpoint: every weight is in it."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+
+    def keys(self) -> list[str]:
+        return [k for k in self.reader.tensor_keys() if k.startswith("model.")]
+
+    def numel(self, key: str) -> int:
+        return self.reader.numel(key)
+
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        stored = self.reader.dtype(key)
+        return self.reader.read([key], dtype=dtype if stored.is_floating_point else None)[key]
+
+
+def _adapter_settings(hp: dict):
+    from tts_lightning.model.lora import LoRASettings
+
+    return LoRASettings.coerce(hp.get("adapter"))
+
+
+def _shards(reader, keys: list[str], itemsize: int, max_bytes: int) -> list[list[str]]:
     """Consecutive groups of keys of at most ``max_bytes`` in the target dtype (a tensor larger
     than that is a group of its own)."""
     groups: list[list[str]] = []
@@ -114,8 +190,10 @@ def export_custom_voice(
     config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
 
     target = DTYPES[dtype]
-    keys = [k for k in reader.tensor_keys() if k.startswith("model.") and not k.startswith("model.speaker_encoder.")]
-    groups = _shards(reader, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
+    adapter = _adapter_settings(hp)
+    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+    keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
+    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1
              else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
 
@@ -136,13 +214,12 @@ def export_custom_voice(
             shard: dict[str, torch.Tensor] = {}
             for key in group:  # one tensor at a time, read straight into the target dtype
                 if key == CODEC_EMBEDDING:  # the new speakers' fp32 rows, then the cast
-                    value = reader.read([key])[key].float().clone()
+                    value = source.read(key).float().clone()
                     for row, embedding in zip(new_ids, embeddings):
                         value[row] = embedding.float()
                     value = value.to(target)
-                else:
-                    stored = reader.dtype(key)
-                    value = reader.read([key], dtype=target if stored.is_floating_point else None)[key]
+                else:  # read straight into the target dtype (merged in fp32 first for LoRA)
+                    value = source.read(key, dtype=target)
                 value = value.contiguous()
                 shard[key[len("model."):]] = value
                 total += value.numel() * value.element_size()
@@ -152,6 +229,70 @@ def export_custom_voice(
         if len(names) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out
+
+
+ADAPTER_SPEAKERS = "speakers.json"
+ADAPTER_EMBEDDINGS = "speaker_embeddings.safetensors"
+
+
+def export_adapter(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    pretrained: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    trust_checkpoint: bool = False,
+) -> Path:
+    """Write the LoRA adapter of a `Qwen3TTSModule` checkpoint in peft's format (``adapter_config.json``
+    and ``adapter_model.safetensors``, keys ``base_model.model.<layer>.lora_A.weight``; extras
+    trained in full as ``modules_to_save``), plus the speaker table (``speakers.json`` and
+    ``speaker_embeddings.safetensors``, fp32): small, for sharing; load it onto the base model
+    with ``peft.PeftModel.from_pretrained``. Atomic like `export_custom_voice`."""
+    from safetensors.torch import save_file
+
+    from tts_lightning.model.lora import checkpoint_key, is_adapter_key, lora_config
+
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    hp = reader.hyper_parameters
+    settings = _adapter_settings(hp)
+    if settings is None:
+        raise ExportError(f"{ckpt}: not a LoRA checkpoint (trained without model.adapter); export it without --adapter-only")
+    speakers = [str(s).lower() for s in hp.get("speakers") or []]
+    embeddings = reader.read(["speaker_embeddings"])["speaker_embeddings"].float() \
+        if "speaker_embeddings" in reader.tensor_keys() else None
+    if not speakers or embeddings is None or embeddings.shape[0] != len(speakers):
+        raise CheckpointError(f"{ckpt}: the speaker table is missing or does not match hyper_parameters.speakers")
+    base = str(pretrained or hp.get("pretrained"))
+    model_keys = [k for k in reader.tensor_keys() if k.startswith("model.")]
+    targets = sorted({k[len("model."):].split(".lora_A.")[0] for k in model_keys if ".lora_A." in k})
+    extras = sorted(checkpoint_key(k[len("model."):]) for k in model_keys if not is_adapter_key(k))
+    config = lora_config(settings, targets, base_model=base)
+    if extras:
+        config.modules_to_save = sorted({k.rpartition(".")[0] for k in extras})
+    state: dict[str, torch.Tensor] = {}
+    values = reader.read(model_keys, dtype=torch.float32)
+    for key, value in values.items():
+        name = key[len("model."):]
+        if is_adapter_key(name):
+            name = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        else:
+            name = checkpoint_key(name)
+        state[f"base_model.model.{name}"] = value.contiguous()
+    with staged_directory(out) as tmp:
+        config.save_pretrained(str(tmp))
+        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file({"speaker_embeddings": embeddings.contiguous()}, str(tmp / ADAPTER_EMBEDDINGS),
+                  metadata={"format": "pt"})
+        (tmp / ADAPTER_SPEAKERS).write_text(json.dumps(
+            {"speakers": speakers, "embeddings": ADAPTER_EMBEDDINGS, "base_model": base,
+             "global_step": reader.global_step}, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

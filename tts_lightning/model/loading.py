@@ -70,11 +70,18 @@ class MetaWeights:
     other ranks receive; without it, every process reads for itself.
     """
 
-    def __init__(self, model: nn.Module, info: PretrainedInfo, *, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, info: PretrainedInfo, *, dtype: torch.dtype = torch.float32,
+                 adapter_seed: int = 0, frozen_dtype: torch.dtype | None = None):
+        from tts_lightning.model.lora import checkpoint_key, is_adapter_key
+
         self.reader = WeightReader(info)
         self.dtype = dtype
+        self.frozen_dtype = frozen_dtype or dtype  # parameters with requires_grad=False (LoRA's base)
+        self.adapter_seed = adapter_seed
         self.names = {module: name for name, module in model.named_modules()}
-        wanted = {name for name, _ in model.named_parameters()}
+        # peft LoRA layers keep the base weight at `<layer>.base_layer.weight`; their adapters are
+        # not in the checkpoint and are initialised instead (`tts_lightning.model.lora.init_adapter`).
+        wanted = {checkpoint_key(name) for name, _ in model.named_parameters() if not is_adapter_key(name)}
         missing, unexpected = sorted(wanted - self.reader.keys()), sorted(self.reader.keys() - wanted)
         if missing or unexpected:
             raise PretrainedError(
@@ -82,6 +89,8 @@ class MetaWeights:
             )
 
     def materialize(self, module: nn.Module, *, device: torch.device | str = "cpu", broadcast: bool = False) -> None:
+        from tts_lightning.model.lora import checkpoint_key, init_adapter, is_adapter_key
+
         name = self.names.get(module)
         if name is None:
             return
@@ -93,9 +102,13 @@ class MetaWeights:
             if not param.is_meta:
                 continue
             key = f"{name}.{param_name}" if name else param_name
-            value = torch.empty(param.shape, dtype=self.dtype, device=device)
+            dtype = self.dtype if param.requires_grad else self.frozen_dtype
+            value = torch.empty(param.shape, dtype=dtype, device=device)
             if reading:
-                value.copy_(self.reader.read(key))
+                if is_adapter_key(key):
+                    init_adapter(key, value, self.adapter_seed)
+                else:
+                    value.copy_(self.reader.read(checkpoint_key(key)))
             if broadcast:
                 torch.distributed.broadcast(value, src=0)
             module._parameters[param_name] = nn.Parameter(value, requires_grad=param.requires_grad)
@@ -111,11 +124,13 @@ class MetaWeights:
 def copy_model(model: nn.Module, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """A plain, frozen copy of ``model`` in ``dtype`` on ``device``, built from its parameters as they
     are now (under FSDP: inside ``summon_full_params``, whose wrapper prefixes are dropped from the
-    names). One parameter is copied at a time, so the copy is the only extra memory."""
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    names; peft LoRA adapters merged into their base weights). One parameter is copied at a time, so
+    the copy is the only extra memory (plus one merged weight at a time with LoRA)."""
     from transformers.integrations.accelerate import init_empty_weights
 
-    source = {clean_tensor_name(name): param for name, param in model.named_parameters()}
+    from tts_lightning.model.lora import MergedWeights
+
+    source = MergedWeights(model)  # plain names; LoRA adapters (if any) merged as each is read
     with init_empty_weights(include_buffers=False):
         copy = type(model)(model.config)
     with torch.no_grad():

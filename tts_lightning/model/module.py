@@ -14,6 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
 from tts_lightning.model.loss import LossOutput, compute_loss
 from tts_lightning.model.loading import MetaWeights, build_empty_model
+from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
 from tts_lightning.model.pretrained import check_pretrained
 from tts_lightning.model.pretrained import load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import tokenize_text
@@ -44,6 +45,10 @@ class Qwen3TTSModule(L.LightningModule):
         freeze: parameter-name patterns kept fixed (module prefixes or globs), e.g.
             ``talker.model.text_embedding`` to save the memory of its gradient and optimizer state.
         attn_implementation: ``sdpa`` (default) or ``eager``; flash-attn is never required.
+        adapter: train LoRA adapters (`tts_lightning.model.lora.LoRASettings`, built with peft)
+            instead of the whole model: the base weights are frozen and never enter the optimizer,
+            only the adapters and ``adapter.trainable`` modules train, and checkpoints hold only
+            those (plus the speaker table). Real models: lr 2e-6..5e-6 (2e-5 gives noise).
     """
 
     def __init__(
@@ -57,9 +62,19 @@ class Qwen3TTSModule(L.LightningModule):
         sub_talker_loss_weight: float = 0.3,
         freeze: list[str] = list(DEFAULT_FREEZE),
         attn_implementation: Literal["sdpa", "eager"] = "sdpa",
+        adapter: LoRASettings | None = None,
     ) -> None:
         super().__init__()
+        self.adapter = LoRASettings.coerce(adapter)
         self.save_hyperparameters()
+        # Plain data in checkpoints (loaded with weights_only=True), never a pickled dataclass.
+        self.hparams["adapter"] = None if self.adapter is None else self.adapter.to_dict()
+        # A LoRA checkpoint leaves out the frozen base weights, which configure_model rebuilds from
+        # `pretrained`; resume then loads the trainable tensors only (checked in on_load_checkpoint
+        # and by Qwen3TTSFSDPStrategy.load_checkpoint).
+        self.strict_loading = self.adapter is None
+        self.frozen_keys: frozenset[str] = frozenset()  # "model.<name>" of frozen parameters
+        self.trainable_keys: frozenset[str] = frozenset()
         info = check_pretrained(pretrained, require_type="base")  # fail before any process spawns
         talker_cfg = info.config["talker_config"]
         self.num_code_groups = int(talker_cfg["num_code_groups"])
@@ -95,9 +110,32 @@ class Qwen3TTSModule(L.LightningModule):
             return
         info = check_pretrained(self.hparams.pretrained, require_type="base")
         model = build_empty_model(info, attn_implementation=self.hparams.attn_implementation)
+        adapter = self.adapter
+        if adapter is not None:
+            model = inject_lora(model, adapter)
+            # FSDP: each trainable leaf (the adapters, the extras) becomes its own unit, so that the
+            # frozen units keep no gradient (`Qwen3TTSFSDPStrategy`).
+            self.wrap_trainable_leaves = True
         for name, param in model.named_parameters():
-            param.requires_grad_(not matches(name, self.hparams.freeze))
-        weights = MetaWeights(model, info)
+            if adapter is None:
+                trainable = not matches(name, self.hparams.freeze)
+            else:
+                trainable = (is_adapter_key(name) or matches(checkpoint_key(name), adapter.trainable)) \
+                    and not matches(checkpoint_key(name), self.hparams.freeze)
+            param.requires_grad_(trainable)
+        if adapter is not None:
+            unmatched = [p for p in adapter.trainable
+                         if not any(matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())]
+            if unmatched:
+                raise ValueError(f"adapter.trainable patterns {unmatched} match no parameter of the model")
+        self.frozen_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
+        self.trainable_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if p.requires_grad)
+        frozen_dtype = None
+        if adapter is not None:
+            precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
+            frozen_dtype = adapter.frozen_dtype(precision)
+        weights = MetaWeights(model, info, adapter_seed=0 if adapter is None else adapter.seed,
+                              frozen_dtype=frozen_dtype)
         strategy = self._trainer.strategy if self._trainer is not None else None
         if getattr(strategy, "materializes_meta_parameters", False):
             self.pending_weights = weights
@@ -108,6 +146,24 @@ class Qwen3TTSModule(L.LightningModule):
     @property
     def talker(self) -> nn.Module:
         return self.model.talker
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With an adapter, the checkpoint keeps the trainable tensors and the buffers (the
+        speaker table) only: the frozen base is the pretrained directory's, rebuilt on load."""
+        state = checkpoint.get("state_dict")
+        if self.adapter is None or state is None:
+            return
+        checkpoint["state_dict"] = type(state)((k, v) for k, v in state.items() if k not in self.frozen_keys)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")  # absent under FSDP (its strategy loads and checks)
+        if self.adapter is None or state is None or not self.trainable_keys:
+            return
+        missing = sorted(self.trainable_keys - set(state))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} trainable tensor(s) of this adapter setting, "
+                           f"e.g. {missing[:3]} (was it trained with another `adapter`?)")
 
     # -- steps -------------------------------------------------------------------------------
     def forward(self, batch: TalkerBatch) -> LossOutput:

@@ -1,0 +1,105 @@
+"""LoRA adapters (peft) on Qwen3TTSModule, one process: parity at zero init, only adapters (and the
+chosen extras) get gradients and move, adapter-only checkpoints that resume, merged weights."""
+
+import pytest
+import torch
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.data.audio import load_audio
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.lora import LoRASettings, MergedWeights, is_adapter_key
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.sequence import SpecialIds, build_sequence, collate, tokenize_text
+
+ADAPTER = dict(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_dir):
+    info = check_pretrained(tiny_dir)
+    tokenizer, speech = load_text_tokenizer(info), load_speech_tokenizer(info)
+    ids = SpecialIds.from_config(info.config)
+    sequences = []
+    for clip, frames in (("alice/alice_001", 8), ("bob/bob_002", 20)):
+        path = demo_dir() / "clips" / clip
+        codes = speech.encode(load_audio(path.with_suffix(".flac")).numpy(), sr=24_000).audio_codes[0][:frames]
+        text_ids = tokenize_text(tokenizer, path.with_suffix(".txt").read_text().strip())
+        sequences.append(build_sequence(ids, text_ids, codes, language="auto"))
+    speakers = torch.randn(2, info.config["talker_config"]["hidden_size"], generator=torch.Generator().manual_seed(1))
+    return collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad)
+
+
+def _module(tiny_dir, **kwargs):
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"], **kwargs)
+    module.configure_model()
+    return module
+
+
+def test_zero_init_parity_and_deterministic_adapters(tiny_dir, batch):
+    base = _module(tiny_dir).eval()
+    lora = _module(tiny_dir, adapter=ADAPTER).eval()
+    again = _module(tiny_dir, adapter=LoRASettings(**ADAPTER)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lora(batch).loss, base(batch).loss, atol=0, rtol=0)
+    adapters = {n: p for n, p in lora.model.named_parameters() if is_adapter_key(n)}
+    assert adapters and all(not p.is_meta for p in lora.model.parameters())
+    for name, value in adapters.items():  # lora_A drawn (same every time), lora_B zero
+        torch.testing.assert_close(value, again.model.get_parameter(name), atol=0, rtol=0)
+        assert (value.abs().sum() > 0) == (".lora_A." in name), name
+    # The base weights are the pretrained ones, at peft's new names.
+    name = "talker.model.layers.0.self_attn.q_proj"
+    torch.testing.assert_close(lora.model.get_parameter(f"{name}.base_layer.weight"),
+                               base.model.get_parameter(f"{name}.weight"), atol=0, rtol=0)
+    assert lora.hparams.adapter == LoRASettings(**ADAPTER).to_dict()  # plain data in checkpoints
+
+
+def test_only_adapters_and_extras_train(tiny_dir, batch):
+    module = _module(tiny_dir, adapter={**ADAPTER, "trainable": ["talker.codec_head"]}, learning_rate=1e-2)
+    trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in trainable if is_adapter_key(n)} | {"talker.codec_head.weight"}
+    assert any(".code_predictor.model.layers." in n for n in trainable)
+    assert any(".mlp.down_proj.lora_B." in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = module(batch).loss
+        loss.backward()
+        for n, p in module.model.named_parameters():
+            assert (p.grad is not None) == (n in trainable), n
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+    for n, p in module.model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in trainable), n  # frozen ones fixed, trained ones moved
+
+
+def test_merged_weights_equal_adapter_model(tiny_dir, batch):
+    from tts_lightning.model.loading import copy_model
+
+    module = _module(tiny_dir, adapter=ADAPTER)
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    merged = MergedWeights(module.model)
+    assert "talker.model.layers.0.self_attn.q_proj.weight" in merged
+    assert not any(is_adapter_key(k) or ".base_layer." in k for k in merged)
+    plain = copy_model(module.model, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        adapted = module.eval()(batch).loss
+        from tts_lightning.model.loss import compute_loss
+
+        merged_loss = compute_loss(plain.talker, batch, module.hparams.sub_talker_loss_weight).loss
+    assert abs(float(adapted) - float(merged_loss)) < 1e-5
+    assert abs(float(adapted) - float(_module(tiny_dir).eval()(batch).loss)) > 1e-3  # adapters matter
+
+
+def test_bad_settings_are_refused(tiny_dir):
+    with pytest.raises(ValueError, match="rank"):
+        LoRASettings(rank=0)
+    with pytest.raises(ValueError, match="match no nn.Linear"):
+        _module(tiny_dir, adapter={"target_modules": ["no.such.layer"]})
+    with pytest.raises(ValueError, match="match no parameter"):
+        _module(tiny_dir, adapter={"trainable": ["talker.no_such_head"]})
