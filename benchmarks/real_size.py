@@ -71,6 +71,13 @@ def main() -> int:
 
     pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    # Lightning's prepare_data barrier opens a side gloo group, which a fake store cannot back (it
+    # crashes): prepare the data in this process first, and let that barrier be a no-op.
+    import contextlib
+
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    data_connector._InfiniteBarrier = contextlib.nullcontext
     cuda = args.device == "cuda"
     if cuda and args.gpu_memory:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -79,6 +86,9 @@ def main() -> int:
     class Probe(L.Callback):
         positions = 0
         step_seconds: list[float] = []
+
+        def setup(self, trainer, pl_module, stage):
+            self.baseline = rss_bytes()  # imports done, data prepared, no model yet
 
         def on_train_start(self, trainer, pl_module):
             self.startup_rss = rss_bytes()
@@ -111,6 +121,7 @@ def main() -> int:
     data = SpeakerClipsDataModule(str(pretrained), str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
                                   val_fraction=0.15, cache_dir=str(work / "cache"), seed=0,
                                   max_frames_per_batch=args.frames)
+    data.prepare()
     module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
     strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
     trainer = L.Trainer(
@@ -130,7 +141,9 @@ def main() -> int:
                        sample_rows=2 * 2, sample_frames=60)
     held = probe.held
     states = held["parameters"] + held["gradients"] + held["optimizer"]
-    peak = probe.cuda_peak if cuda else probe.rss_peak
+    # CPU: the training peak above the process's level before the model existed (the parameters
+    # are in memory from the start of training on, so they count, as in the planner's peak).
+    peak = probe.cuda_peak if cuda else probe.rss_peak + probe.startup_rss - probe.baseline
     # The planner's peak counts a CUDA constant; tensors (CUDA) or RSS (CPU) do not.
     plan_peak = plan.total - CUDA_OVERHEAD_BYTES
     steady = probe.step_seconds[1:] or probe.step_seconds
@@ -154,11 +167,12 @@ def main() -> int:
     print(f"{'':34}{'measured GiB':>14}{'planner GiB':>13}{'meas/plan':>11}")
     print(f"{'model states (params+grads+AdamW)':34}{states / GiB:14.2f}{plan.model_states / GiB:13.2f}"
           f"{states / plan.model_states:11.3f}")
-    label = "peak, CUDA tensors" if cuda else "peak, RSS over train start"
+    label = "peak, CUDA tensors" if cuda else "peak, RSS over pre-model level"
     print(f"{label:34}{peak / GiB:14.2f}{plan_peak / GiB:13.2f}{peak / plan_peak:11.3f}")
     if not cuda:
-        print(f"(RSS at train start {probe.startup_rss / GiB:.2f} GiB; the planner's peak is without its "
-              f"{CUDA_OVERHEAD_BYTES / GiB:.0f} GiB CUDA constant)")
+        print(f"(RSS before the model {probe.baseline / GiB:.2f} GiB, at train start {probe.startup_rss / GiB:.2f} "
+              f"GiB; the planner's peak is without its {CUDA_OVERHEAD_BYTES / GiB:.0f} GiB CUDA constant; CPU "
+              "time is compute only: no collective is sent)")
     print(f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s" +
           (f", MFU {figures['mfu'] * 100:.1f}%" if cuda else ""))
     if args.out:
