@@ -12,6 +12,7 @@ from tts_lightning import Qwen3TTSModule
 from tts_lightning.__main__ import main
 from tts_lightning.model.export import export_custom_voice
 
+pytestmark = pytest.mark.slow  # a short fit, then 18 generations through the official paths
 SPEAKERS = ["alice", "bob"]
 SYSTEMS = ["fine_tuned", "zero_shot_xvector", "zero_shot_icl"]
 TEXT = "Good morning to you."
