@@ -131,6 +131,13 @@ def inject_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
 
     targets = target_names(model, settings)
     model = inject_adapter_in_model(lora_config(settings, targets), model, adapter_name=ADAPTER_NAME)
+    # The adapter computes in the dtype of its input (the base layer's compute dtype: bf16 under
+    # FSDP mixed precision, whose adapter units get bf16 copies), not cast to the fp32 master dtype.
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = False
     # peft allocates the adapters on the base weight's device (meta here); make sure of it
     for full, param in list(model.named_parameters()):
         if is_adapter_key(full) and not param.is_meta:
