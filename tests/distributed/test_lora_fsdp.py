@@ -195,3 +195,18 @@ def test_adapter_only_export_is_peft_format(runs, workdir, tiny_dir):
     torch.testing.assert_close(weights[f"{layer}.weight"], expected + 2.0 * (b @ a), atol=1e-6, rtol=1e-5)
     if merged is not None:
         torch.testing.assert_close(weights[f"{layer}.weight"], merged[f"{layer}.weight"], atol=1e-6, rtol=1e-5)
+
+
+def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, tiny_dir):
+    import csv
+
+    run_dir, _ = runs["sharded"]
+    ckpt = next(c for c in sorted(run_dir.rglob("*.ckpt")) if c.name != "last.ckpt")
+    logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
+    run_cli("validate", "--config", CONFIG, "--data.pretrained", tiny_dir,
+            "--data.train_manifest", workdir / "demo" / "train.jsonl", "--data.cache_dir", workdir / "cache",
+            "--data.max_frames_per_batch", 150, "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", workdir / "validate", "--ckpt_path", ckpt, cwd=workdir)
+    rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
+    reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
+    assert abs(reported - logged) < 1e-4, (reported, logged)
