@@ -38,3 +38,13 @@ class CheckFrozen(Callback):
         assert checked and moved and self.backwards
         print(f"[CheckFrozen] rank {trainer.global_rank}: {checked} frozen weights unchanged, "
               f"{moved} lora_B moved, {self.backwards} backward passes checked", flush=True)
+
+
+class ReportDtypes(Callback):
+    """Prints the storage dtypes of the frozen and of the trainable parameters once training starts."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        frozen = {p.dtype for p in pl_module.parameters() if not p.requires_grad}
+        trainable = {p.dtype for p in pl_module.parameters() if p.requires_grad}
+        print(f"[ReportDtypes] rank {trainer.global_rank}: frozen {', '.join(map(str, sorted(frozen, key=str)))}, "
+              f"trainable {', '.join(map(str, sorted(trainable, key=str)))}", flush=True)

@@ -210,3 +210,15 @@ def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, t
     rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
     reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
     assert abs(reported - logged) < 1e-4, (reported, logged)
+
+
+def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir):
+    """Under bf16-mixed the frozen base is stored in bf16 (the adapters stay fp32) and it trains."""
+    proc = run_cli(*fit_args(workdir, tiny_dir, "bf16", "--trainer.precision", "bf16-mixed",
+                             "--trainer.max_steps", 2, "--trainer.val_check_interval", 2,
+                             "--trainer.enable_checkpointing", "false",
+                             '--trainer.callbacks+={"class_path": "lora_callbacks.ReportDtypes"}'), cwd=workdir)
+    output = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[ReportDtypes] rank {rank}: frozen torch.bfloat16, trainable torch.float32" in output, output[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in output

@@ -103,3 +103,11 @@ def test_bad_settings_are_refused(tiny_dir):
         _module(tiny_dir, adapter={"target_modules": ["no.such.layer"]})
     with pytest.raises(ValueError, match="match no parameter"):
         _module(tiny_dir, adapter={"trainable": ["talker.no_such_head"]})
+
+
+def test_frozen_base_dtype_follows_the_precision():
+    assert LoRASettings().frozen_dtype("bf16-mixed") == torch.bfloat16
+    assert LoRASettings().frozen_dtype("32-true") == torch.float32
+    assert LoRASettings(base_dtype="fp32").frozen_dtype("bf16-mixed") == torch.float32
+    with pytest.raises(ValueError, match="bf16"):
+        LoRASettings(base_dtype="bf16").frozen_dtype("32-true")
