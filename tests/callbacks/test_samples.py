@@ -283,16 +283,7 @@ def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
         module.predict_step({"text": ["Hi."], "speaker": ["bob"]}, 0)
 
 
-def _datamodule_predicts() -> bool:
-    from lightning import LightningDataModule
-
-    from tts_lightning import SpeakerClipsDataModule
-
-    return SpeakerClipsDataModule.predict_dataloader is not LightningDataModule.predict_dataloader
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _datamodule_predicts(), reason="SpeakerClipsDataModule has no predict_dataloader yet")
 def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
     """`tts-lightning predict` from the sharded checkpoint: both ranks generate in lockstep (rows of
     different lengths), each text x speaker is written once."""
