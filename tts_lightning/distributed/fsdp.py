@@ -169,7 +169,6 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
             **kwargs,
         )
         if weights is not None:
-            weights.reader.close()
             model.pending_weights = None
         policy = self.kwargs.pop("auto_wrap_policy", None)
         try:

@@ -47,9 +47,6 @@ class WeightReader:
         with safe_open(str(self.path / self.file_of[key]), framework="pt") as f:
             return f.get_tensor(key)
 
-    def close(self) -> None:  # nothing is kept open between reads
-        pass
-
 
 def build_empty_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa") -> nn.Module:
     """`Qwen3TTSForConditionalGeneration` with parameters on the meta device and real buffers."""
@@ -117,7 +114,6 @@ class MetaWeights:
         with torch.no_grad():
             for module in model.modules():
                 self.materialize(module, device=device)
-        self.reader.close()
         return model
 
 
