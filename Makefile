@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint install clean
 
 $(BIN)/tts-lightning: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: install
 # The edit loop: everything but the multi-process and long-running tests (marked slow).
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
+
+# Lint, format and types (the same checks as .pre-commit-config.yaml); CI runs it before the tests.
+LINT_PATHS := tts_lightning tests benchmarks scripts
+lint: install
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/codespell $(LINT_PATHS) configs docs README.md
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) runs

@@ -42,18 +42,30 @@ def bench_config() -> dict:
     config, _ = tiny_configs(codebook_size=2048)  # vocab 3072 with the specials' block, as released
     talker = config["talker_config"]
     talker.update(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=3,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
         rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "interleaved": True},
-        text_hidden_size=1024, text_vocab_size=8192,
+        text_hidden_size=1024,
+        text_vocab_size=8192,
     )
     talker["code_predictor_config"].update(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
     )
     config["speaker_encoder_config"].update(
-        enc_dim=1024, enc_channels=[512, 512, 512, 512, 1536], enc_attention_channels=128,
-        enc_res2net_scale=8, enc_se_channels=128,
+        enc_dim=1024,
+        enc_channels=[512, 512, 512, 512, 1536],
+        enc_attention_channels=128,
+        enc_res2net_scale=8,
+        enc_se_channels=128,
     )
     config["tts_model_size"] = "bench-150m"
     return config
@@ -173,8 +185,13 @@ def worker(rank: int, mode: str, port: int, out_dir: str) -> None:
     step_s = time.perf_counter() - t0
     held = held_bytes(wrapped, optimizer)
     result = {
-        "rank": rank, "mode": mode, "params": n_params, "loss": float(loss.detach()), "step_s": step_s,
-        "held": held, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rank": rank,
+        "mode": mode,
+        "params": n_params,
+        "loss": float(loss.detach()),
+        "step_s": step_s,
+        "held": held,
+        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     Path(out_dir, f"{mode}-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -199,18 +216,28 @@ def main() -> int:
             results[mode] = [json.loads(Path(out, f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
 
     config = bench_config()
-    common = dict(gpus=WORLD, gpu_memory_gb=1000, precision="32-true", activation_checkpointing=False,
-                  freeze=FREEZE, micro_batch_frames=100)
+    common = dict(
+        gpus=WORLD,
+        gpu_memory_gb=1000,
+        precision="32-true",
+        activation_checkpointing=False,
+        freeze=FREEZE,
+        micro_batch_frames=100,
+    )
     predicted = {
         "fsdp": plan_memory(config, sharding="FULL_SHARD", **common),
         "ddp": plan_memory(config, sharding="NO_SHARD", **common),
     }
     mb = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
     n = results["fsdp"][0]["params"]
-    print(f"\nmodel: real Qwen3-TTS classes, {n / 1e6:.1f}M parameters, speaker encoder frozen, fp32, "
-          f"AdamW, {WORLD} ranks (gloo, CPU)")
-    print(f"{'':28}{'params MiB':>10}{'grads MiB':>10}{'AdamW MiB':>10}{'states MiB':>11}"
-          f"{'planner MiB':>12}{'meas/plan':>10}{'step s':>8}{'maxRSS GiB':>11}")
+    print(
+        f"\nmodel: real Qwen3-TTS classes, {n / 1e6:.1f}M parameters, speaker encoder frozen, fp32, "
+        f"AdamW, {WORLD} ranks (gloo, CPU)"
+    )
+    print(
+        f"{'':28}{'params MiB':>10}{'grads MiB':>10}{'AdamW MiB':>10}{'states MiB':>11}"
+        f"{'planner MiB':>12}{'meas/plan':>10}{'step s':>8}{'maxRSS GiB':>11}"
+    )
     states = {}
     for mode in ("fsdp", "ddp"):
         plan = predicted[mode]
@@ -219,14 +246,16 @@ def main() -> int:
             total = h["parameters"] + h["gradients"] + h["optimizer"]
             states.setdefault(mode, []).append(total)
             label = f"{'FSDP FULL_SHARD' if mode == 'fsdp' else 'DDP'} rank {r['rank']}"
-            print(f"{label:28}{mb(h['parameters']):>10}{mb(h['gradients']):>10}{mb(h['optimizer']):>10}"
-                  f"{mb(total):>11}{mb(plan.model_states):>12}{total / plan.model_states:>10.3f}"
-                  f"{r['step_s']:>8.1f}{r['max_rss'] / 2**30:>11.2f}")
+            print(
+                f"{label:28}{mb(h['parameters']):>10}{mb(h['gradients']):>10}{mb(h['optimizer']):>10}"
+                f"{mb(total):>11}{mb(plan.model_states):>12}{total / plan.model_states:>10.3f}"
+                f"{r['step_s']:>8.1f}{r['max_rss'] / 2**30:>11.2f}"
+            )
     ratio = max(states["fsdp"]) / max(states["ddp"])
     err = max(abs(s / predicted[m].model_states - 1) for m in states for s in states[m])
     print(f"\nFSDP/DDP model states per rank: {ratio:.3f} (target <= 0.6)")
     print(f"planner vs measurement, worst rank: {err * 100:.1f}% off (target within 25%)")
-    losses = {m: [round(r['loss'], 4) for r in results[m]] for m in results}
+    losses = {m: [round(r["loss"], 4) for r in results[m]] for m in results}
     print(f"losses (per rank, different batches; same across modes): {losses}")
     return 0 if ratio <= 0.6 and err <= 0.25 else 1
 

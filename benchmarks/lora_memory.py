@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-
 from fsdp_memory import FREEZE, LossModel, bench_config, free_port, held_bytes, make_batch  # noqa: E402
 
 WORLD = 2
@@ -83,8 +82,11 @@ def worker(rank: int, mode: str, port: int, out_dir: str, precision: str) -> Non
         LossModel(model),
         auto_wrap_policy=policy,
         sharding_strategy=ShardingStrategy.FULL_SHARD,
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                       buffer_dtype=torch.float32) if precision == "bf16-mixed" else None,
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+        )
+        if precision == "bf16-mixed"
+        else None,
         device_id=torch.device("cpu"),
         use_orig_params=True,
         limit_all_gathers=True,
@@ -103,8 +105,15 @@ def worker(rank: int, mode: str, port: int, out_dir: str, precision: str) -> Non
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     held = held_bytes(wrapped, optimizer)
-    result = {"rank": rank, "mode": mode, "params": n_params, "trainable": n_trainable, "losses": losses,
-              "step_s": times[-1], "held": held}
+    result = {
+        "rank": rank,
+        "mode": mode,
+        "params": n_params,
+        "trainable": n_trainable,
+        "losses": losses,
+        "step_s": times[-1],
+        "held": held,
+    }
     Path(out_dir, f"{mode}-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -122,16 +131,27 @@ def main() -> int:
             results[mode] = [json.loads(Path(out, f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
 
     config = bench_config()
-    common = dict(gpus=WORLD, gpu_memory_gb=1000, precision=PRECISION, activation_checkpointing=False,
-                  freeze=FREEZE, micro_batch_frames=100, sharding="FULL_SHARD")
+    common = dict(
+        gpus=WORLD,
+        gpu_memory_gb=1000,
+        precision=PRECISION,
+        activation_checkpointing=False,
+        freeze=FREEZE,
+        micro_batch_frames=100,
+        sharding="FULL_SHARD",
+    )
     predicted = {"lora": plan_memory(config, adapter=ADAPTER, **common), "full": plan_memory(config, **common)}
     mb = lambda x: f"{x / 2**20:9.1f}"  # noqa: E731
     r0 = results["lora"][0]
-    print(f"\nmodel: real Qwen3-TTS classes, {results['full'][0]['params'] / 1e6:.1f}M parameters; LoRA r16/alpha32 "
-          f"adds {(r0['params'] - results['full'][0]['params']) / 1e6:.2f}M trainable; {PRECISION}, AdamW, "
-          f"{WORLD} ranks (gloo, CPU), FSDP FULL_SHARD")
-    print(f"{'':22}{'params MiB':>10}{'grads MiB':>10}{'AdamW MiB':>10}{'states MiB':>11}"
-          f"{'planner MiB':>12}{'meas/plan':>10}{'step s':>8}")
+    print(
+        f"\nmodel: real Qwen3-TTS classes, {results['full'][0]['params'] / 1e6:.1f}M parameters; LoRA r16/alpha32 "
+        f"adds {(r0['params'] - results['full'][0]['params']) / 1e6:.2f}M trainable; {PRECISION}, AdamW, "
+        f"{WORLD} ranks (gloo, CPU), FSDP FULL_SHARD"
+    )
+    print(
+        f"{'':22}{'params MiB':>10}{'grads MiB':>10}{'AdamW MiB':>10}{'states MiB':>11}"
+        f"{'planner MiB':>12}{'meas/plan':>10}{'step s':>8}"
+    )
     states: dict[str, list[int]] = {}
     for mode in ("lora", "full"):
         plan = predicted[mode]
@@ -140,16 +160,20 @@ def main() -> int:
             total = h["parameters"] + h["gradients"] + h["optimizer"]
             states.setdefault(mode, []).append(total)
             label = f"{'LoRA' if mode == 'lora' else 'full fine-tuning'} rank {r['rank']}"
-            print(f"{label:22}{mb(h['parameters']):>10}{mb(h['gradients']):>10}{mb(h['optimizer']):>10}"
-                  f"{mb(total):>11}{mb(plan.model_states):>12}{total / plan.model_states:>10.3f}{r['step_s']:>8.2f}")
+            print(
+                f"{label:22}{mb(h['parameters']):>10}{mb(h['gradients']):>10}{mb(h['optimizer']):>10}"
+                f"{mb(total):>11}{mb(plan.model_states):>12}{total / plan.model_states:>10.3f}{r['step_s']:>8.2f}"
+            )
     ratio = max(states["lora"]) / max(states["full"])
     step_ratio = max(r["step_s"] for r in results["lora"]) / max(r["step_s"] for r in results["full"])
     err = max(abs(s / predicted[m].model_states - 1) for m in states for s in states[m])
     print(f"\nLoRA / full fine-tuning model states per rank: {ratio:.3f} (target <= 0.25)")
     print(f"LoRA / full fine-tuning step time: {step_ratio:.2f} (step {STEPS}; the first is warm-up)")
     print(f"planner vs measurement, worst rank: {err * 100:.1f}% off (target within 15%)")
-    print(f"losses per step (rank 0): LoRA {[round(x, 4) for x in results['lora'][0]['losses']]}, "
-          f"full {[round(x, 4) for x in results['full'][0]['losses']]}")
+    print(
+        f"losses per step (rank 0): LoRA {[round(x, 4) for x in results['lora'][0]['losses']]}, "
+        f"full {[round(x, 4) for x in results['full'][0]['losses']]}"
+    )
     return 0 if ratio <= 0.25 and err <= 0.15 else 1
 
 

@@ -31,7 +31,7 @@ class PeakSampler:
             self.peak = max(self.peak, rss_bytes())
             time.sleep(self.interval)
 
-    def start(self) -> "PeakSampler":
+    def start(self) -> PeakSampler:
         self.baseline = rss_bytes()
         self._thread.start()
         return self
@@ -55,10 +55,17 @@ class StartupMemory(L.Callback):
         above = self.sampler.stop()
         local = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({
-            "rank": trainer.global_rank, "baseline": self.sampler.baseline, "peak_above_baseline": above,
-            "local_parameter_bytes": local, "seconds": time.perf_counter() - self.t0,
-        }))
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": trainer.global_rank,
+                    "baseline": self.sampler.baseline,
+                    "peak_above_baseline": above,
+                    "local_parameter_bytes": local,
+                    "seconds": time.perf_counter() - self.t0,
+                }
+            )
+        )
         if self.checkpoint:
             # The speaker table fills at the first step, which this run never takes: take the data
             # module's (what that step would copy) so the checkpoint can be exported.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCRIPT = '''
+SCRIPT = """
 import sys, time
 import lightning as L
 import torch
@@ -61,13 +61,12 @@ data = Timed(pretrained, manifest, cache_dir=cache, max_frames_per_batch=400, va
 L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=1,
           logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
           num_sanity_val_steps=0, use_distributed_sampler=False).fit(Nothing(), data)
-'''
+"""
 
 
 def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
     import json
 
-    import numpy as np
     import soundfile as sf
 
     from tts_lightning.data.demo import demo_dir
@@ -89,8 +88,14 @@ def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
 
 def run(tiny: Path, manifest: Path, cache: Path, devices: int, script: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(script), str(tiny), str(manifest), str(cache), str(devices)],
-                          cwd=script.parent, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny), str(manifest), str(cache), str(devices)],
+        cwd=script.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     out = proc.stdout + proc.stderr
     found = re.search(r"PREPARE_SECONDS ([0-9.]+)", out)
     if proc.returncode != 0 or found is None:
@@ -123,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root / "data")
     ratio = two / one
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"audio: {args.gains * 24} clips, {seconds:.0f} s ({seconds / 60:.1f} min), tiny model, "
-          f"{os.cpu_count()} CPU cores (load average {load}: other work on the machine slows the 2 processes)")
+    print(
+        f"audio: {args.gains * 24} clips, {seconds:.0f} s ({seconds / 60:.1f} min), tiny model, "
+        f"{os.cpu_count()} CPU cores (load average {load}: other work on the machine slows the 2 processes)"
+    )
     print(f"prepare, 1 process:   {one:7.1f} s")
     print(f"prepare, 2 processes: {two:7.1f} s")
     print(f"same cache bytes: {'yes' if same else 'NO'}")

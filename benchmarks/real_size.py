@@ -55,16 +55,23 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     # One node per emulated rank, this process rank 0: Lightning treats the processes as launched
     # externally and finds the (fake) process group already initialized.
-    os.environ.update(WORLD_SIZE=str(args.world), RANK="0", NODE_RANK="0", LOCAL_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29599", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(
+        WORLD_SIZE=str(args.world),
+        RANK="0",
+        NODE_RANK="0",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29599",
+        TOKENIZERS_PARALLELISM="false",
+    )
     import lightning as L
     import torch
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from fsdp_memory import held_bytes
     from memory_probe import PeakSampler, rss_bytes
     from released_dir import build_released_dir
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from tts_lightning import Qwen3TTSModule, SpeakerClipsDataModule
     from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
     from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_memory
@@ -118,27 +125,50 @@ def main() -> int:
 
         callbacks.append(SpeakerSamplesCallback(max_new_tokens=60, similarity=False))
     work = REPO / "runs" / "bench" / f"real-size-{args.size}"
-    data = SpeakerClipsDataModule(str(pretrained), str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
-                                  val_fraction=0.15, cache_dir=str(work / "cache"), seed=0,
-                                  max_frames_per_batch=args.frames)
+    data = SpeakerClipsDataModule(
+        str(pretrained),
+        str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
+        val_fraction=0.15,
+        cache_dir=str(work / "cache"),
+        seed=0,
+        max_frames_per_batch=args.frames,
+    )
     data.prepare()
     module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
     strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
     trainer = L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, num_nodes=args.world, strategy=strategy,
-        precision=precision, max_steps=args.steps, limit_val_batches=1 if args.samples else 0,
-        val_check_interval=args.steps if args.samples else None, num_sanity_val_steps=0,
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        num_nodes=args.world,
+        strategy=strategy,
+        precision=precision,
+        max_steps=args.steps,
+        limit_val_batches=1 if args.samples else 0,
+        val_check_interval=args.steps if args.samples else None,
+        num_sanity_val_steps=0,
         logger=L.pytorch.loggers.TensorBoardLogger(str(work), name="tb") if args.samples else False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(work),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        default_root_dir=str(work),
     )
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     wall = time.perf_counter() - t0
 
-    plan = plan_memory(args.size, gpus=args.world, gpu_memory_gb=args.gpu_memory or 1000, precision=precision,
-                       micro_batch_frames=probe.positions, cpu_offload=args.cpu_offload, samples=args.samples,
-                       sample_rows=2 * 2, sample_frames=60)
+    plan = plan_memory(
+        args.size,
+        gpus=args.world,
+        gpu_memory_gb=args.gpu_memory or 1000,
+        precision=precision,
+        micro_batch_frames=probe.positions,
+        cpu_offload=args.cpu_offload,
+        samples=args.samples,
+        sample_rows=2 * 2,
+        sample_frames=60,
+    )
     held = probe.held
     states = held["parameters"] + held["gradients"] + held["optimizer"]
     # CPU: the training peak above the process's level before the model existed (the parameters
@@ -150,31 +180,50 @@ def main() -> int:
     step_s = sorted(steady)[len(steady) // 2]
     tokens_s = probe.tokens / sum(probe.step_seconds)
     figures = {
-        "size": args.size, "world": args.world, "device": args.device, "precision": precision,
-        "cpu_offload": args.cpu_offload, "positions": probe.positions, "steps": len(probe.step_seconds),
-        "model_states": states, "planned_model_states": plan.model_states, "peak": peak,
-        "planned_peak": plan_peak, "step_s": step_s, "tokens_per_s": tokens_s, "wall_s": wall,
-        "held": held, "samples": args.samples,
+        "size": args.size,
+        "world": args.world,
+        "device": args.device,
+        "precision": precision,
+        "cpu_offload": args.cpu_offload,
+        "positions": probe.positions,
+        "steps": len(probe.step_seconds),
+        "model_states": states,
+        "planned_model_states": plan.model_states,
+        "peak": peak,
+        "planned_peak": plan_peak,
+        "step_s": step_s,
+        "tokens_per_s": tokens_s,
+        "wall_s": wall,
+        "held": held,
+        "samples": args.samples,
     }
     if cuda:
         n = sum(p.numel() for p in module.parameters()) * args.world  # local shards x ranks
         flops = 6 * n * probe.tokens / len(probe.step_seconds) / step_s * 4 / 3  # + recomputation
         peak_flops = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H200/H100 bf16 dense
         figures["mfu"] = flops / peak_flops
-    print(f"\n{args.size}: rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
-          f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
-          f"{len(probe.step_seconds)} steps")
+    print(
+        f"\n{args.size}: rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
+        f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
+        f"{len(probe.step_seconds)} steps"
+    )
     print(f"{'':34}{'measured GiB':>14}{'planner GiB':>13}{'meas/plan':>11}")
-    print(f"{'model states (params+grads+AdamW)':34}{states / GiB:14.2f}{plan.model_states / GiB:13.2f}"
-          f"{states / plan.model_states:11.3f}")
+    print(
+        f"{'model states (params+grads+AdamW)':34}{states / GiB:14.2f}{plan.model_states / GiB:13.2f}"
+        f"{states / plan.model_states:11.3f}"
+    )
     label = "peak, CUDA tensors" if cuda else "peak, RSS over pre-model level"
     print(f"{label:34}{peak / GiB:14.2f}{plan_peak / GiB:13.2f}{peak / plan_peak:11.3f}")
     if not cuda:
-        print(f"(RSS before the model {probe.baseline / GiB:.2f} GiB, at train start {probe.startup_rss / GiB:.2f} "
-              f"GiB; the planner's peak is without its {CUDA_OVERHEAD_BYTES / GiB:.0f} GiB CUDA constant; CPU "
-              "time is compute only: no collective is sent)")
-    print(f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s" +
-          (f", MFU {figures['mfu'] * 100:.1f}%" if cuda else ""))
+        print(
+            f"(RSS before the model {probe.baseline / GiB:.2f} GiB, at train start {probe.startup_rss / GiB:.2f} "
+            f"GiB; the planner's peak is without its {CUDA_OVERHEAD_BYTES / GiB:.0f} GiB CUDA constant; CPU "
+            "time is compute only: no collective is sent)"
+        )
+    print(
+        f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s"
+        + (f", MFU {figures['mfu'] * 100:.1f}%" if cuda else "")
+    )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     return 0

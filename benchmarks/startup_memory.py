@@ -64,11 +64,17 @@ EXPORT = textwrap.dedent("""
 
 
 def run(args: list[str], **kwargs) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'benchmarks'}",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'benchmarks'}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, **kwargs)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(map(str, args[:4]))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise SystemExit(
+            f"{' '.join(map(str, args[:4]))} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc.stdout
 
 
@@ -83,40 +89,74 @@ def main() -> int:
     pretrained = build_released_dir("0.6b", REPO / "runs" / "bench" / "released-0.6b")
     index = json.loads((pretrained / "model.safetensors.index.json").read_text())
     fp32 = index["metadata"]["total_size"] * 2  # stored bf16
-    print(f"released-size 0.6B directory: {pretrained} ({fp32 / 4 / 1e6:,.1f}M parameters, "
-          f"{fp32 / GiB:.2f} GiB in fp32)", flush=True)
+    print(
+        f"released-size 0.6B directory: {pretrained} ({fp32 / 4 / 1e6:,.1f}M parameters, {fp32 / GiB:.2f} GiB in fp32)",
+        flush=True,
+    )
 
     shutil.rmtree(WORK, ignore_errors=True)
     checkpoint = WORK / "startup.ckpt"
-    run([sys.executable, "-m", "tts_lightning", "fit", "--config", "configs/tiny-cpu.yaml",
-         "--data.pretrained", str(pretrained), "--data.cache_dir", str(WORK / "cache"),
-         "--data.max_frames_per_batch", "150", "--trainer.default_root_dir", str(WORK / "run"),
-         "--trainer.logger.init_args.save_dir", str(WORK / "run"), "--trainer.enable_checkpointing", "false",
-         "--trainer.num_sanity_val_steps", "0",
-         "--trainer.callbacks+=memory_probe.StartupMemory",
-         "--trainer.callbacks.out_dir", str(WORK / "probe"), "--trainer.callbacks.checkpoint", str(checkpoint)],
-        timeout=3600)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "tts_lightning",
+            "fit",
+            "--config",
+            "configs/tiny-cpu.yaml",
+            "--data.pretrained",
+            str(pretrained),
+            "--data.cache_dir",
+            str(WORK / "cache"),
+            "--data.max_frames_per_batch",
+            "150",
+            "--trainer.default_root_dir",
+            str(WORK / "run"),
+            "--trainer.logger.init_args.save_dir",
+            str(WORK / "run"),
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.num_sanity_val_steps",
+            "0",
+            "--trainer.callbacks+=memory_probe.StartupMemory",
+            "--trainer.callbacks.out_dir",
+            str(WORK / "probe"),
+            "--trainer.callbacks.checkpoint",
+            str(checkpoint),
+        ],
+        timeout=3600,
+    )
     ranks = [json.loads((WORK / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
     exported = last_json(run([sys.executable, "-c", EXPORT, str(checkpoint), str(WORK / "voice")]))
     voice_bytes = sum(f.stat().st_size for f in (WORK / "voice").glob("model*.safetensors"))
-    loads = {mode: last_json(run([sys.executable, "-c", LOAD, str(pretrained), mode]))["peak_above_baseline"]
-             for mode in ("legacy", "meta")}
+    loads = {
+        mode: last_json(run([sys.executable, "-c", LOAD, str(pretrained), mode]))["peak_above_baseline"]
+        for mode in ("legacy", "meta")
+    }
 
     print("\nload one model (one process, peak RSS above baseline / fp32 model):")
-    print(f"  before (random init + whole state dict + fp32 copy)  {loads['legacy'] / GiB:6.2f} GiB  "
-          f"{loads['legacy'] / fp32:5.2f}x")
-    print(f"  now (meta parameters, filled tensor by tensor)        {loads['meta'] / GiB:6.2f} GiB  "
-          f"{loads['meta'] / fp32:5.2f}x")
+    print(
+        f"  before (random init + whole state dict + fp32 copy)  {loads['legacy'] / GiB:6.2f} GiB  "
+        f"{loads['legacy'] / fp32:5.2f}x"
+    )
+    print(
+        f"  now (meta parameters, filled tensor by tensor)        {loads['meta'] / GiB:6.2f} GiB  "
+        f"{loads['meta'] / fp32:5.2f}x"
+    )
     print(f"  now / before                                          {loads['meta'] / loads['legacy']:5.2f}")
     print("\nfit startup, 2 FSDP ranks (setup -> on_train_start), peak RSS above baseline / fp32 model:")
     for r in ranks:
-        print(f"  rank {r['rank']}: {r['peak_above_baseline'] / GiB:6.2f} GiB  {r['peak_above_baseline'] / fp32:5.2f}x"
-              f"   (its own fp32 shard: {r['local_parameter_bytes'] / fp32:4.2f}x; {r['seconds']:.0f} s)")
+        print(
+            f"  rank {r['rank']}: {r['peak_above_baseline'] / GiB:6.2f} GiB  {r['peak_above_baseline'] / fp32:5.2f}x"
+            f"   (its own fp32 shard: {r['local_parameter_bytes'] / fp32:4.2f}x; {r['seconds']:.0f} s)"
+        )
     total = sum(r["peak_above_baseline"] for r in ranks)
     print(f"  sum over ranks: {total / GiB:.2f} GiB = {total / fp32:.2f}x the fp32 model (goal <= 1.5x)")
-    print(f"\nexport from the sharded checkpoint to bf16: peak {exported['peak_above_baseline'] / GiB:.2f} GiB "
-          f"above baseline = {exported['peak_above_baseline'] / voice_bytes:.2f}x the exported weights "
-          f"({voice_bytes / GiB:.2f} GiB; goal <= 1.3x)")
+    print(
+        f"\nexport from the sharded checkpoint to bf16: peak {exported['peak_above_baseline'] / GiB:.2f} GiB "
+        f"above baseline = {exported['peak_above_baseline'] / voice_bytes:.2f}x the exported weights "
+        f"({voice_bytes / GiB:.2f} GiB; goal <= 1.3x)"
+    )
     return 0
 
 

@@ -63,11 +63,24 @@ def build_mid_pretrained(root: Path) -> Path:
     (mid / "tiny_model.json").unlink(missing_ok=True)
     config = json.loads((mid / "config.json").read_text())
     talker = config["talker_config"]
-    talker.update(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=32, text_hidden_size=256,
-                  rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "interleaved": True})
-    talker["code_predictor_config"].update(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    talker.update(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        text_hidden_size=256,
+        rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "interleaved": True},
+    )
+    talker["code_predictor_config"].update(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     config["speaker_encoder_config"]["enc_dim"] = 256  # the x-vector fills the talker's speaker slot
     config["tts_model_size"] = "bench-mid"
     (mid / "config.json").write_text(json.dumps(config, indent=2))
@@ -81,8 +94,14 @@ def collect_batches(pretrained: Path, cache: Path, max_frames: int) -> tuple[lis
     from tts_lightning import SpeakerClipsDataModule
     from tts_lightning.data.demo import demo_manifest
 
-    data = SpeakerClipsDataModule(str(pretrained), str(demo_manifest()), cache_dir=str(cache),
-                                  val_fraction=0.0, max_frames_per_batch=max_frames, seed=0)
+    data = SpeakerClipsDataModule(
+        str(pretrained),
+        str(demo_manifest()),
+        cache_dir=str(cache),
+        val_fraction=0.0,
+        max_frames_per_batch=max_frames,
+        seed=0,
+    )
     data.prepare_data()
     data.setup("fit")
     return list(data.train_dataloader()), data.speaker_names
@@ -147,16 +166,22 @@ def main(argv: list[str] | None = None) -> int:
         del template
 
         def fresh_module() -> Qwen3TTSModule:
-            module = Qwen3TTSModule(str(pretrained), speakers=speakers, learning_rate=LR,
-                                    weight_decay=WEIGHT_DECAY, sub_talker_loss_weight=SUB_WEIGHT)
+            module = Qwen3TTSModule(
+                str(pretrained),
+                speakers=speakers,
+                learning_rate=LR,
+                weight_decay=WEIGHT_DECAY,
+                sub_talker_loss_weight=SUB_WEIGHT,
+            )
             module.configure_model()
             module.load_state_dict(initial_state)
             return module
 
         def bare(with_metrics: bool) -> tuple[StepClock, list[float]]:
             module = fresh_module().train()
-            optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
-                                          lr=LR, weight_decay=WEIGHT_DECAY)
+            optimizer = torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY
+            )
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             metrics = module.accuracy["train_acc"]
             losses: list[float] = []
@@ -191,10 +216,19 @@ def main(argv: list[str] | None = None) -> int:
 
         def lightning() -> tuple[StepClock, list[float]]:
             timer = StepTimer()
-            trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=n, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                                callbacks=[timer])
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=1,
+                precision="32-true",
+                max_steps=n,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                callbacks=[timer],
+            )
             with contextlib.redirect_stdout(io.StringIO()):
                 trainer.fit(fresh_module(), train_dataloaders=loader())
             assert trainer.global_step == n
@@ -204,37 +238,51 @@ def main(argv: list[str] | None = None) -> int:
         cpu: dict[str, list[float]] = {name: [] for name in arms}  # mean step time per repetition
         wall: dict[str, list[float]] = {name: [] for name in arms}
         loss_diff = {name: 0.0 for name in arms}
-        print(f"model: {params / 1e6:.1f}M parameters (real Qwen3-TTS classes, random weights), fp32, CPU, "
-              f"{torch.get_num_threads()} thread; {len(batches)} demo batches of {min(positions)}-{max(positions)} "
-              f"talker positions, cycled; {args.repeats} repetitions x ({args.warmup} warm-up + {args.steps} "
-              "timed) steps per arm, arm order alternating", flush=True)
+        print(
+            f"model: {params / 1e6:.1f}M parameters (real Qwen3-TTS classes, random weights), fp32, CPU, "
+            f"{torch.get_num_threads()} thread; {len(batches)} demo batches of {min(positions)}-{max(positions)} "
+            f"talker positions, cycled; {args.repeats} repetitions x ({args.warmup} warm-up + {args.steps} "
+            "timed) steps per arm, arm order alternating",
+            flush=True,
+        )
         for rep in range(args.repeats):
             order = list(arms) if rep % 2 == 0 else list(reversed(arms))
             results = {name: arms[name]() for name in order}
             reference = results["bare"][1]
             for name, (clock, losses) in results.items():
-                cpu[name].append(statistics.fmean(clock.cpu[args.warmup:]))  # the same batches in every arm
-                wall[name].append(statistics.fmean(clock.wall[args.warmup:]))
+                cpu[name].append(statistics.fmean(clock.cpu[args.warmup :]))  # the same batches in every arm
+                wall[name].append(statistics.fmean(clock.wall[args.warmup :]))
                 loss_diff[name] = max(loss_diff[name], max(abs(a - b) for a, b in zip(losses, reference)))
-            print(f"  repetition {rep + 1}: CPU ms/step "
-                  + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in cpu.items())
-                  + f"   (lightning/bare {cpu['lightning'][-1] / cpu['bare'][-1]:.3f})", flush=True)
+            print(
+                f"  repetition {rep + 1}: CPU ms/step "
+                + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in cpu.items())
+                + f"   (lightning/bare {cpu['lightning'][-1] / cpu['bare'][-1]:.3f})",
+                flush=True,
+            )
 
         med_cpu = {name: statistics.median(v) for name, v in cpu.items()}
         med_wall = {name: statistics.median(v) for name, v in wall.items()}
-        ratios = sorted(l / b for l, b in zip(cpu["lightning"], cpu["bare"]))
+        ratios = sorted(lit / bare for lit, bare in zip(cpu["lightning"], cpu["bare"]))
         print("per optimizer step (mean over the timed steps, median over repetitions):")
         print(f"  {'':13s} {'CPU ms':>8s} {'wall ms':>8s}   losses vs bare")
         for name in arms:
-            print(f"  {name:13s} {1e3 * med_cpu[name]:8.1f} {1e3 * med_wall[name]:8.1f}   "
-                  f"max |diff| {loss_diff[name]:.1e}")
+            print(
+                f"  {name:13s} {1e3 * med_cpu[name]:8.1f} {1e3 * med_wall[name]:8.1f}   "
+                f"max |diff| {loss_diff[name]:.1e}"
+            )
         ratio = med_cpu["lightning"] / med_cpu["bare"]
-        print(f"lightning / bare          = {ratio:.3f} CPU, {med_wall['lightning'] / med_wall['bare']:.3f} wall "
-              f"(per-repetition CPU ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; target <= 1.10)")
-        print(f"bare+metrics / bare       = {med_cpu['bare+metrics'] / med_cpu['bare']:.3f} CPU "
-              "(the module's torchmetrics updates + speaker-buffer write, part of every Lightning step)")
-        print(f"lightning / bare+metrics  = {med_cpu['lightning'] / med_cpu['bare+metrics']:.3f} CPU "
-              "(what is left: Trainer loop, hooks, self.log)")
+        print(
+            f"lightning / bare          = {ratio:.3f} CPU, {med_wall['lightning'] / med_wall['bare']:.3f} wall "
+            f"(per-repetition CPU ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; target <= 1.10)"
+        )
+        print(
+            f"bare+metrics / bare       = {med_cpu['bare+metrics'] / med_cpu['bare']:.3f} CPU "
+            "(the module's torchmetrics updates + speaker-buffer write, part of every Lightning step)"
+        )
+        print(
+            f"lightning / bare+metrics  = {med_cpu['lightning'] / med_cpu['bare+metrics']:.3f} CPU "
+            "(what is left: Trainer loop, hooks, self.log)"
+        )
         if any(d > 1e-4 for d in loss_diff.values()):
             print("WARNING: the arms did not compute the same losses: the comparison is not like for like")
             return 1

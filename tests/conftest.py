@@ -28,9 +28,7 @@ def tiny_dir(tmp_path_factory):
 def tiny_custom_voice_dir(tmp_path_factory):
     from tts_lightning import build_tiny_pretrained
 
-    return build_tiny_pretrained(
-        tmp_path_factory.mktemp("tiny") / "custom_voice", seed=0, model_type="custom_voice"
-    )
+    return build_tiny_pretrained(tmp_path_factory.mktemp("tiny") / "custom_voice", seed=0, model_type="custom_voice")
 
 
 # The demo speakers prepared once for the whole session, with the settings of configs/tiny-cpu.yaml,
@@ -38,14 +36,14 @@ def tiny_custom_voice_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory, tiny_dir):
     from tts_lightning import SpeakerClipsDataModule
-
     from tts_lightning.data.demo import demo_dir
 
     root = tmp_path_factory.mktemp("samples")
     shutil.copytree(demo_dir(), root / "demo", ignore=shutil.ignore_patterns(".*"))
     manifest, cache = root / "demo" / "train.jsonl", root / "cache"
-    SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0,
-                           max_frames_per_batch=150).prepare()
+    SpeakerClipsDataModule(
+        str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0, max_frames_per_batch=150
+    ).prepare()
     return root, manifest, cache
 
 
@@ -58,8 +56,9 @@ def make_datamodule(tiny_dir, demo_data):
 
     def make(**kwargs):
         kwargs.setdefault("max_frames_per_batch", 150)
-        return SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache),
-                                      seed=0, **kwargs)
+        return SpeakerClipsDataModule(
+            str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0, **kwargs
+        )
 
     return make
 
@@ -74,8 +73,15 @@ def _run_script(script, *args, timeout: float, cwd=None) -> str:
     import signal
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -15,8 +15,11 @@ from tts_lightning.__main__ import main as tts_lightning_main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "configs").glob("*.yml")])
-GPU_CONFIGS = [c for c in CONFIGS
-               if str(((yaml.safe_load(c.read_text()) or {}).get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")]
+GPU_CONFIGS = [
+    c
+    for c in CONFIGS
+    if str(((yaml.safe_load(c.read_text()) or {}).get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")
+]
 # A GPU config says what it was planned for with the command that checks it, e.g.
 #   tts-lightning plan --config configs/qwen3-tts-1.7b-4x16gb.yaml --gpu-memory 16
 PLAN_COMMAND = re.compile(r"tts-lightning plan --config (\S+) --gpu-memory (\d+(?:\.\d+)?)\s*$", re.MULTILINE)
@@ -143,18 +146,21 @@ def _set(cfg: dict, dotted: str, value) -> None:
     cfg[leaf] = value
 
 
-@pytest.mark.parametrize("dotted, value, needle", [
-    ("model.no_such_option", 1, "no_such_option"),                       # unknown key
-    ("model.learning_rate", "fast", "learning_rate"),                    # wrong type
-    ("model.lr_schedule", "exponential", "lr_schedule"),                 # not one of the choices
-    ("data.max_frames_per_batch", "lots", "max_frames_per_batch"),
-    ("data.train_manfest", "data/train.jsonl", "train_manfest"),         # misspelt key
-    ("trainer.max_epoch", 3, "max_epoch"),
-    ("trainer.strategy.init_args.limit_all_gathers", "maybe", "limit_all_gathers"),
-    ("trainer.strategy.init_args.sharding_strategy", "SHARD_ALL", "sharding_strategy"),
-    ("trainer.strategy.init_args.no_such_fsdp_option", 1, "no_such_fsdp_option"),
-    ("checkpoint.save_top_k", "two", "save_top_k"),
-])
+@pytest.mark.parametrize(
+    "dotted, value, needle",
+    [
+        ("model.no_such_option", 1, "no_such_option"),  # unknown key
+        ("model.learning_rate", "fast", "learning_rate"),  # wrong type
+        ("model.lr_schedule", "exponential", "lr_schedule"),  # not one of the choices
+        ("data.max_frames_per_batch", "lots", "max_frames_per_batch"),
+        ("data.train_manfest", "data/train.jsonl", "train_manfest"),  # misspelt key
+        ("trainer.max_epoch", 3, "max_epoch"),
+        ("trainer.strategy.init_args.limit_all_gathers", "maybe", "limit_all_gathers"),
+        ("trainer.strategy.init_args.sharding_strategy", "SHARD_ALL", "sharding_strategy"),
+        ("trainer.strategy.init_args.no_such_fsdp_option", 1, "no_such_fsdp_option"),
+        ("checkpoint.save_top_k", "two", "save_top_k"),
+    ],
+)
 def test_bad_config_is_rejected_naming_the_key(parse, capsys, tmp_path, dotted, value, needle):
     cfg = yaml.safe_load(BASE.read_text())
     _set(cfg, dotted, value)

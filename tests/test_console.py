@@ -18,14 +18,32 @@ from tts_lightning.data.demo import demo_dir
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 LINE_BUDGET = 120
-NOISE = ("flash-attn", "SoX", "sox:", "LeafSpec", "pad_token_id", "_get_pg_default_device", "ShardedTensor", "v_num",
-         "litlogger", "/-2", "LightningCLI's args parameter")
+NOISE = (
+    "flash-attn",
+    "SoX",
+    "sox:",
+    "LeafSpec",
+    "pad_token_id",
+    "_get_pg_default_device",
+    "ShardedTensor",
+    "v_num",
+    "litlogger",
+    "/-2",
+    "LightningCLI's args parameter",
+)
 
 
 def run(args: list[str], cwd: Path, timeout: int = 600) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tts_lightning", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{args}\n{proc.stdout[-6000:]}"
     return proc.stdout
 
@@ -83,10 +101,26 @@ def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outp
 
 
 def test_fit_without_checkpointing_writes_no_checkpoint(workspace):
-    out = run(["fit", "--config", "configs/tiny-cpu.yaml", "--data.pretrained", "runs/tiny-model", "--trainer.max_steps", "2",
-               "--trainer.val_check_interval", "2", "--trainer.enable_checkpointing", "false",
-               "--trainer.default_root_dir", "runs/no-ckpt", "--trainer.logger.init_args.save_dir", "runs/no-ckpt"],
-              workspace)
+    out = run(
+        [
+            "fit",
+            "--config",
+            "configs/tiny-cpu.yaml",
+            "--data.pretrained",
+            "runs/tiny-model",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.default_root_dir",
+            "runs/no-ckpt",
+            "--trainer.logger.init_args.save_dir",
+            "runs/no-ckpt",
+        ],
+        workspace,
+    )
     assert "checkpoints: none (checkpointing is off)" in out and "step 2/2" in out
     assert not list((workspace / "runs" / "no-ckpt").rglob("*.ckpt"))
     assert not (workspace / "runs" / "no-ckpt" / "checkpoints").exists()
@@ -112,10 +146,17 @@ def test_quiet_output_keeps_everything_when_the_body_fails(capfd):
 
 
 def test_the_installed_filters_silence_qwen_tts_import_alone():
-    code = ("from tts_lightning import console; console.install(); import qwen_tts; import warnings; "
-            "print('imported', qwen_tts.Qwen3TTSModel.__name__)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "from tts_lightning import console; console.install(); import qwen_tts; import warnings; "
+        "print('imported', qwen_tts.Qwen3TTSModel.__name__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "imported Qwen3TTSModel\n" and proc.stderr == ""
 
@@ -131,11 +172,29 @@ def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_p
         pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "tts_lightning", "export", "--dtype", "fp32",
-                               "--ckpt", "runs/tiny-cpu/checkpoints/last.ckpt", "--out", str(fs / "voice")],
-                              cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tts_lightning",
+                "export",
+                "--dtype",
+                "fp32",
+                "--ckpt",
+                "runs/tiny-cpu/checkpoints/last.ckpt",
+                "--out",
+                str(fs / "voice"),
+            ],
+            cwd=workspace,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stderr.startswith(f"tts-lightning export: error: cannot write {fs / 'voice'}: no space left on device (")
+        assert proc.stderr.startswith(
+            f"tts-lightning export: error: cannot write {fs / 'voice'}: no space left on device ("
+        )
         assert "free there" in proc.stderr and "Traceback" not in proc.stderr
         assert list(fs.iterdir()) == []
     finally:

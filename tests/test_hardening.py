@@ -20,8 +20,11 @@ from tts_lightning.files import WriteError, atomic_write, atomic_write_json, sta
 
 
 def _mount(path: Path, size: str, *options: str) -> None:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
+        check=True,
+        capture_output=True,
+    )
 
 
 def _remount(path: Path, *options: str) -> None:
@@ -122,8 +125,12 @@ def test_prepare_on_a_full_disk_stops_clearly_and_a_rerun_continues(small_fs, ti
     (tmp_path / "clips").mkdir()
     t = np.arange(int(0.6 * 24_000)) / 24_000
     for i in range(24):
-        sf.write(tmp_path / "clips" / f"{i}.wav", (0.3 * np.sin(2 * np.pi * (150.0 + 25 * i) * t)).astype(np.float32),
-                 24_000, subtype="PCM_16")
+        sf.write(
+            tmp_path / "clips" / f"{i}.wav",
+            (0.3 * np.sin(2 * np.pi * (150.0 + 25 * i) * t)).astype(np.float32),
+            24_000,
+            subtype="PCM_16",
+        )
         lines.append(json.dumps({"audio": f"clips/{i}.wav", "text": f"Clip {i}.", "speaker": "ann"}))
     manifest = tmp_path / "train.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
@@ -188,11 +195,32 @@ def test_fit_on_a_full_cache_disk_ends_with_the_error_alone(small_fs, tiny_dir, 
     shutil.copytree(demo_dir(), tmp_path / "demo")
     cache = small_fs("48k") / "cache"
     proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", "fit", "--config", str(repo / "configs" / "tiny-cpu.yaml"),
-         "--data.pretrained", str(tiny_dir), "--data.train_manifest", str(tmp_path / "demo" / "train.jsonl"),
-         "--data.cache_dir", str(cache), "--trainer.max_steps", "2",
-         "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger.init_args.save_dir", str(tmp_path / "run")],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "tts_lightning",
+            "fit",
+            "--config",
+            str(repo / "configs" / "tiny-cpu.yaml"),
+            "--data.pretrained",
+            str(tiny_dir),
+            "--data.train_manifest",
+            str(tmp_path / "demo" / "train.jsonl"),
+            "--data.cache_dir",
+            str(cache),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("tts-lightning fit: error: ")]
     assert errors and all(f"cannot write {cache}" in e and "no space left on device" in e for e in errors)

@@ -10,7 +10,6 @@ Any cell error fails the test (nbclient raises ``CellExecutionError`` with the t
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,8 @@ def test_committed_without_outputs(name):
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
     dirty = [
-        i for i, cell in enumerate(nb.cells)
+        i
+        for i, cell in enumerate(nb.cells)
         if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
     ]
     assert not dirty, f"{name}: code cells {dirty} have outputs or execution counts; clear them before committing"
@@ -76,10 +76,12 @@ def test_committed_without_outputs(name):
 
 
 def test_kernel_runs_this_interpreter(kernel_env):
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "import os, sys\nprint(sys.executable)\nprint(os.environ['OMP_NUM_THREADS'])")])
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
-                            resources={"metadata": {"path": str(kernel_env)}}).execute()
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("import os, sys\nprint(sys.executable)\nprint(os.environ['OMP_NUM_THREADS'])")]
+    )
+    nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(kernel_env)}}
+    ).execute()
     printed = "".join(o.get("text", "") for o in nb.cells[0].outputs).split()
     assert printed == [sys.executable, "1"]
 

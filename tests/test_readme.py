@@ -35,8 +35,7 @@ def readme_commands():
 
 def demo_commands():
     """The commands `make demo` runs, as make prints them (the install step excluded)."""
-    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout
+    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
     return [line for line in lines if "bin/tts-lightning " in line]
 

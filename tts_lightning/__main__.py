@@ -27,7 +27,9 @@ def _tiny_model(argv: list[str]) -> int:
 def _synthesize(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tts-lightning synthesize",
-        description="Speak texts with a custom_voice model (--speaker) or clone a voice with a base model (--ref-audio).",
+        description=(
+            "Speak texts with a custom_voice model (--speaker) or clone a voice with a base model (--ref-audio)."
+        ),
     )
     parser.add_argument("--model", required=True, help="model directory (exported, pretrained or tiny)")
     parser.add_argument("--text", action="append", default=[], help="text to speak; repeat for several")
@@ -37,8 +39,7 @@ def _synthesize(argv: list[str]) -> int:
     parser.add_argument("--language", default="Auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--out", type=Path, required=True,
-                        help="output .wav (one text) or folder (several texts)")
+    parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
     args = parser.parse_args(argv)
     texts = list(args.text)
     if args.text_file:
@@ -50,8 +51,15 @@ def _synthesize(argv: list[str]) -> int:
 
     from tts_lightning.model.synthesis import synthesize
 
-    wavs, sr = synthesize(args.model, texts, speaker=args.speaker, ref_audio=args.ref_audio,
-                          language=args.language, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    wavs, sr = synthesize(
+        args.model,
+        texts,
+        speaker=args.speaker,
+        ref_audio=args.ref_audio,
+        language=args.language,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]
     else:
@@ -74,11 +82,17 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
     parser.add_argument("--pretrained", help="base directory (default: the one the run trained from)")
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--trust-checkpoint", action="store_true",
-                        help="unpickle everything in the checkpoint (can run code: only for a file you trust)")
-    parser.add_argument("--adapter-only", action="store_true",
-                        help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
-                             "instead of the merged custom_voice model")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle everything in the checkpoint (can run code: only for a file you trust)",
+    )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
+        "instead of the merged custom_voice model",
+    )
     args = parser.parse_args(argv)
     from tts_lightning.model.checkpoint import CheckpointError
     from tts_lightning.model.export import ExportError, export_adapter, export_custom_voice
@@ -86,11 +100,22 @@ def _export(argv: list[str]) -> int:
 
     try:
         if args.adapter_only:
-            out = export_adapter(args.ckpt, args.out, pretrained=args.pretrained, overwrite=args.overwrite,
-                                 trust_checkpoint=args.trust_checkpoint)
+            out = export_adapter(
+                args.ckpt,
+                args.out,
+                pretrained=args.pretrained,
+                overwrite=args.overwrite,
+                trust_checkpoint=args.trust_checkpoint,
+            )
         else:
-            out = export_custom_voice(args.ckpt, args.out, dtype=args.dtype, pretrained=args.pretrained,
-                                      overwrite=args.overwrite, trust_checkpoint=args.trust_checkpoint)
+            out = export_custom_voice(
+                args.ckpt,
+                args.out,
+                dtype=args.dtype,
+                pretrained=args.pretrained,
+                overwrite=args.overwrite,
+                trust_checkpoint=args.trust_checkpoint,
+            )
     except (ExportError, CheckpointError, PretrainedError) as exc:
         print(f"tts-lightning export: error: {exc}", file=sys.stderr)
         return 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from jsonargparse import lazy_instance
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -100,8 +100,10 @@ class TTSLightningCLI(LightningCLI):
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         ckpt = trainer.checkpoint_callback
         if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
-            saved = [f"last: {ckpt.last_model_path}" if ckpt.last_model_path else "",
-                     f"best: {ckpt.best_model_path}" if ckpt.best_model_path else ""]
+            saved = [
+                f"last: {ckpt.last_model_path}" if ckpt.last_model_path else "",
+                f"best: {ckpt.best_model_path}" if ckpt.best_model_path else "",
+            ]
             saved = "; ".join(s for s in saved if s) or "none written"
             print(f"checkpoints: {ckpt.dirpath} ({saved})")
         elif not trainer.checkpoint_callbacks:

@@ -50,7 +50,10 @@ WARNING_FILTERS = (
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
     (r"`_get_pg_default_device` will be deprecated", r"torch\.distributed\.fsdp\._shard_utils"),
     (r"Multiple backends are registered with this ProcessGroup", r"torch\.distributed\.fsdp\._shard_utils"),
-    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.fsdp\._state_dict_utils"),
+    (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"torch\.distributed\.fsdp\._state_dict_utils",
+    ),
 )
 # logger name -> message prefixes dropped.
 LOG_FILTERS = {

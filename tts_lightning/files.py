@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
@@ -70,8 +69,10 @@ class WriteError(OSError):
         self.remaining = remaining
 
     def __reduce__(self):  # crosses process boundaries (DataLoader workers, Ray) intact
-        return (_rebuild_write_error, (str(self.path), self.errno, self.strerror, self.free, self.needed,
-                                       self.written, self.remaining))
+        return (
+            _rebuild_write_error,
+            (str(self.path), self.errno, self.strerror, self.free, self.needed, self.written, self.remaining),
+        )
 
     @property
     def disk_full(self) -> bool:
@@ -80,8 +81,9 @@ class WriteError(OSError):
     def with_remaining(self, remaining: str) -> WriteError:
         """The same error, also saying what the rest of the job needs (e.g. "23 clips still to
         encode, about 4.1 MiB")."""
-        return WriteError(self.path, self.cause, free=self.free, needed=self.needed, written=self.written,
-                          remaining=remaining)
+        return WriteError(
+            self.path, self.cause, free=self.free, needed=self.needed, written=self.written, remaining=remaining
+        )
 
     def __str__(self) -> str:
         if self.disk_full:
@@ -105,8 +107,10 @@ class WriteError(OSError):
         if facts:
             parts.append(f" ({'; '.join(facts)})")
         if self.disk_full:
-            parts.append(". Free some space (or write elsewhere) and run the same command again: "
-                         "everything finished so far is kept and nothing half-written was left")
+            parts.append(
+                ". Free some space (or write elsewhere) and run the same command again: "
+                "everything finished so far is kept and nothing half-written was left"
+            )
         elif self.errno in ACCESS_ERRNOS:
             parts.append(". Choose a folder you can write to, or fix its permissions")
         return "".join(parts)

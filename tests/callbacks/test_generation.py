@@ -25,8 +25,16 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     ids = SpecialIds.from_config(info.config)
     text_ids = tokenize_text(tokenizer, "Hello there, nice to meet you.")
     max_new = 12
-    (codes,) = generate_codes(model, [text_ids], speaker, ["english"], max_new_tokens=max_new, do_sample=False,
-                              subtalker_dosample=False, repetition_penalty=1.0)
+    (codes,) = generate_codes(
+        model,
+        [text_ids],
+        speaker,
+        ["english"],
+        max_new_tokens=max_new,
+        do_sample=False,
+        subtalker_dosample=False,
+        repetition_penalty=1.0,
+    )
     T = codes.shape[0]
     assert codes.dtype == torch.long and codes.shape[1] == 16 and T >= 2
 
@@ -36,7 +44,7 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     logits = out.talker_logits.clone()  # (T + 1, V): frames 0..T-1, then eos
     vocab = logits.shape[1]
     allowed = torch.ones(vocab, dtype=torch.bool)
-    allowed[vocab - 1024:] = False
+    allowed[vocab - 1024 :] = False
     allowed[ids.codec_eos] = True
     logits[:, ~allowed] = -float("inf")
     logits[:2, ids.codec_eos] = -float("inf")  # generation forbids eos at its first two steps
@@ -71,8 +79,13 @@ def test_weights_dtype_not_module_dtype(tiny, monkeypatch):
     text_ids = [tokenize_text(tokenizer, "Hello.")]
     prompt = {"ref_spk_embedding": [speaker[0]], "x_vector_only_mode": [True], "icl_mode": [False], "ref_code": None}
     with pytest.raises(RuntimeError, match="dtype|BFloat16|Float"):
-        model.generate(input_ids=[torch.tensor([text_ids[0]])], voice_clone_prompt=prompt, languages=["auto"],
-                       non_streaming_mode=True, max_new_tokens=4)
+        model.generate(
+            input_ids=[torch.tensor([text_ids[0]])],
+            voice_clone_prompt=prompt,
+            languages=["auto"],
+            non_streaming_mode=True,
+            max_new_tokens=4,
+        )
     (codes,) = generate_codes(model, text_ids, speaker, max_new_tokens=4, seed=0)
     assert codes.shape[1] == 16 and codes.shape[0] >= 2
 

@@ -75,9 +75,16 @@ def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodul
     samples = SpeakerSamplesCallback(every_n_val_epochs=2, texts=TEXTS, max_new_tokens=24, seed=0)
     before, after = RNGProbe(), RNGProbe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=4, val_check_interval=1, limit_val_batches=1,
-        num_sanity_val_steps=1, logger=TensorBoardLogger(tmp_path, name="tb"),
-        callbacks=[before, samples, after], enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[before, samples, after],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(module, datamodule=data)
@@ -128,9 +135,19 @@ def test_needs_tensorboard_or_similarity(tiny_dir, make_datamodule, tmp_path, mo
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
     samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=4, similarity=False)
     monkeypatch.setattr(samples, "_generate", lambda *a: pytest.fail("generated with nothing to log to"))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
-                        num_sanity_val_steps=0, logger=CSVLogger(tmp_path), callbacks=[samples],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(tmp_path),
+        callbacks=[samples],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning) as record:
         trainer.fit(module, datamodule=data)
     assert samples.validation_runs == 2
@@ -140,15 +157,26 @@ def test_needs_tensorboard_or_similarity(tiny_dir, make_datamodule, tmp_path, mo
 def test_without_resemblyzer_logs_audio_and_says_why_once(tiny_dir, make_datamodule, tmp_path, monkeypatch):
     import tts_lightning.metrics.speaker_similarity as similarity
 
-    reason = "resemblyzer is not importable (ModuleNotFoundError: no module named 'resemblyzer'); " + \
-        similarity.INSTALL_HINT
+    reason = (
+        "resemblyzer is not importable (ModuleNotFoundError: no module named 'resemblyzer'); " + similarity.INSTALL_HINT
+    )
     monkeypatch.setattr(similarity, "similarity_unavailable", lambda: reason)
     data = make_datamodule()
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
     samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=1, limit_val_batches=1,
-                        num_sanity_val_steps=0, logger=TensorBoardLogger(tmp_path, name="tb"), callbacks=[samples],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[samples],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.warns(UserWarning) as record:
         trainer.fit(module, datamodule=data)
     assert sum("tts-lightning[eval]" in str(w.message) for w in record) == 1
@@ -162,8 +190,15 @@ def run_cli(*args, cwd, timeout):
     """The CLI in its own process group: on timeout (a deadlock) every rank is killed, not only
     the launcher, and the test fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts_lightning", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -177,8 +212,18 @@ def run_cli(*args, cwd, timeout):
 
 def cli_data_args(tiny_dir, demo_data):
     _, manifest, cache = demo_data
-    return ["--config", CONFIG, "--data.pretrained", tiny_dir, "--data.train_manifest", manifest,
-            "--data.cache_dir", cache, "--data.max_frames_per_batch", 150]
+    return [
+        "--config",
+        CONFIG,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        manifest,
+        "--data.cache_dir",
+        cache,
+        "--data.max_frames_per_batch",
+        150,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -189,16 +234,34 @@ def fsdp_run(tiny_dir, demo_data):
     root = demo_data[0]
     run = root / "fsdp"
     output = run_cli(
-        "fit", *cli_data_args(tiny_dir, demo_data),
-        "--trainer.max_steps", 4, "--trainer.val_check_interval", 4, "--trainer.limit_val_batches", 1,
-        "--trainer.num_sanity_val_steps", 1,
-        "--trainer.default_root_dir", run, "--trainer.logger.init_args.save_dir", run,
+        "fit",
+        *cli_data_args(tiny_dir, demo_data),
+        "--trainer.max_steps",
+        4,
+        "--trainer.val_check_interval",
+        4,
+        "--trainer.limit_val_batches",
+        1,
+        "--trainer.num_sanity_val_steps",
+        1,
+        "--trainer.default_root_dir",
+        run,
+        "--trainer.logger.init_args.save_dir",
+        run,
         "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback",
-        "--trainer.callbacks.texts", "[" + ", ".join(TEXTS) + "]", "--trainer.callbacks.max_new_tokens", 24,
+        "--trainer.callbacks.texts",
+        "[" + ", ".join(TEXTS) + "]",
+        "--trainer.callbacks.max_new_tokens",
+        24,
         # The checkpoint monitors the similarity: all ranks must have logged it, or this fails.
-        "--checkpoint.monitor", "val/speaker_similarity", "--checkpoint.mode", "max",
-        "--checkpoint.filename", "step{step:06d}-sim{val/speaker_similarity:.4f}",
-        cwd=root, timeout=300,
+        "--checkpoint.monitor",
+        "val/speaker_similarity",
+        "--checkpoint.mode",
+        "max",
+        "--checkpoint.filename",
+        "step{step:06d}-sim{val/speaker_similarity:.4f}",
+        cwd=root,
+        timeout=300,
     )
     return run, output
 
@@ -233,13 +296,19 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
     rows = [(s, i) for s in range(len(SPEAKERS)) for i in range(len(TEXTS))]
     # Each sample is capped at max_new_tokens (24) frames: generated with one token more (the
     # official generation expands all tokens but the last into frames) and cut there.
-    codes = generate_codes(model, [tokenize_text(tokenizer, TEXTS[i]) for _, i in rows],
-                           torch.stack([table[s] for s, _ in rows]), ["english"] * len(rows),
-                           max_new_tokens=25, seed=0)
+    codes = generate_codes(
+        model,
+        [tokenize_text(tokenizer, TEXTS[i]) for _, i in rows],
+        torch.stack([table[s] for s, _ in rows]),
+        ["english"] * len(rows),
+        max_new_tokens=25,
+        seed=0,
+    )
     codes = [c[:24] for c in codes]
     for (s, i), wav in zip(rows, decode_codes(load_speech_tokenizer(info), codes)):
-        logged, _ = sf.read(io.BytesIO(acc.Audio(f"samples/{SPEAKERS[s]}/{i}")[0].encoded_audio_string),
-                            dtype="float32")
+        logged, _ = sf.read(
+            io.BytesIO(acc.Audio(f"samples/{SPEAKERS[s]}/{i}")[0].encoded_audio_string), dtype="float32"
+        )
         assert logged.shape == wav.shape
         assert np.abs(logged - np.clip(wav, -1, 1)).max() < 2e-4  # 16-bit quantisation in the event file
 
@@ -258,12 +327,21 @@ def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
     assert [i["padding"] for i in padded] == [True]
     assert [i["padding"] for i in TextsDataset(["Extra."], ["alice"], num_replicas=2, rank=0)] == [False]
     out = tmp_path / "wavs"
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[PredictionWriter(str(out))],
-                        enable_progress_bar=False, enable_model_summary=False)
-    batches = trainer.predict(module, dataloaders=[
-        DataLoader(dataset, batch_size=2, collate_fn=collate_texts),
-        DataLoader(padded, batch_size=2, collate_fn=collate_texts),
-    ])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[PredictionWriter(str(out))],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    batches = trainer.predict(
+        module,
+        dataloaders=[
+            DataLoader(dataset, batch_size=2, collate_fn=collate_texts),
+            DataLoader(padded, batch_size=2, collate_fn=collate_texts),
+        ],
+    )
     written = sorted(p.name for p in out.glob("*.wav"))
     assert written == ["0000_bob.wav", "0001_bob.wav", "0002_bob.wav"]  # not the padding row
     predictions = [p for loader in batches for batch in loader for p in batch]
@@ -290,10 +368,21 @@ def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
     run, _ = fsdp_run
     out = run / "wavs"
     texts = ["Hello there.", "How are you today?", "Goodbye."]
-    run_cli("predict", *cli_data_args(tiny_dir, demo_data), "--ckpt_path", run.rglob("last.ckpt").__next__(),
-            "--trainer.logger", "false", "--data.predict_texts", "[" + ", ".join(texts) + "]",
-            "--trainer.callbacks+=tts_lightning.data.predict.PredictionWriter",
-            "--trainer.callbacks.output_dir", out, cwd=run, timeout=150)
+    run_cli(
+        "predict",
+        *cli_data_args(tiny_dir, demo_data),
+        "--ckpt_path",
+        run.rglob("last.ckpt").__next__(),
+        "--trainer.logger",
+        "false",
+        "--data.predict_texts",
+        "[" + ", ".join(texts) + "]",
+        "--trainer.callbacks+=tts_lightning.data.predict.PredictionWriter",
+        "--trainer.callbacks.output_dir",
+        out,
+        cwd=run,
+        timeout=150,
+    )
     written = sorted(p.name for p in out.glob("*.wav"))
     assert written == [f"{i:04d}_{s}.wav" for i in range(len(texts)) for s in SPEAKERS]
     for name in written:

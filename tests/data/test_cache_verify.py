@@ -5,10 +5,10 @@ and by `tts-lightning prepare --verify`."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,9 @@ def _warned(caplog) -> str:
 
 
 def test_prepare_recovers_from_a_truncated_and_a_wrong_shape_file(tiny_dir, clips_manifest, tmp_path, caplog):
-    data = SpeakerClipsDataModule(str(tiny_dir), str(clips_manifest), cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+    data = SpeakerClipsDataModule(
+        str(tiny_dir), str(clips_manifest), cache_dir=str(tmp_path / "cache"), val_fraction=0.2
+    )
     data.prepare()
     index = json.loads(data.prepared_path.read_text())
     files = [data.cache_dir / e["codes"] for e in index["clips"]]
@@ -102,7 +104,9 @@ def test_prepare_recovers_from_a_truncated_and_a_wrong_shape_file(tiny_dir, clip
     assert str(reshaped) in warned and "shape (4, 8)" in warned
     # Encoded again, byte for byte what the tokenizer gave the first time; the others untouched.
     assert {f: f.read_bytes() for f in files} == originals
-    fresh = SpeakerClipsDataModule(str(tiny_dir), str(clips_manifest), cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+    fresh = SpeakerClipsDataModule(
+        str(tiny_dir), str(clips_manifest), cache_dir=str(tmp_path / "cache"), val_fraction=0.2
+    )
     fresh.setup("fit")
     items = [fresh.train_dataset[i] for i in range(len(fresh.train_dataset))]
     assert len(items) + len(fresh.val_dataset) == 5
@@ -127,8 +131,16 @@ def test_codec_cache_load_reencodes_a_bad_file(tiny_dir, clips_manifest, tmp_pat
 
 
 def test_prepare_verify_reads_back_the_whole_cache(tiny_dir, clips_manifest, tmp_path, caplog, capsys):
-    args = ["--pretrained", str(tiny_dir), "--train_manifest", str(clips_manifest),
-            "--cache_dir", str(tmp_path / "cache"), "--val_fraction", "0.2"]
+    args = [
+        "--pretrained",
+        str(tiny_dir),
+        "--train_manifest",
+        str(clips_manifest),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--val_fraction",
+        "0.2",
+    ]
     assert prepare_command(args) == 0
     index = json.loads((tmp_path / "cache" / "prepared.json").read_text())
     files = [tmp_path / "cache" / e["codes"] for e in index["clips"]]

@@ -113,7 +113,9 @@ def test_ranks_get_disjoint_batches_and_the_sampler_flag_is_turned_off(tiny_dir,
         data = make(tiny_dir, prepared)
         data.setup("fit")
         connector = SimpleNamespace(use_distributed_sampler=True)
-        data.trainer = SimpleNamespace(world_size=2, global_rank=rank, current_epoch=0, _accelerator_connector=connector)
+        data.trainer = SimpleNamespace(
+            world_size=2, global_rank=rank, current_epoch=0, _accelerator_connector=connector
+        )
         loader = data.train_dataloader()
         assert connector.use_distributed_sampler is False
         assert len(list(loader)) == len(loader)
@@ -161,12 +163,19 @@ class _Recorder(L.LightningModule):
 
 def test_trainer_resume_mid_epoch_continues_the_data_order(tiny_dir, prepared, tmp_path):
     kwargs = dict(
-        accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
     )
     ckpt = L.pytorch.callbacks.ModelCheckpoint(tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
     full = _Recorder()
-    L.Trainer(default_root_dir=tmp_path, callbacks=[ckpt], **kwargs).fit(full, make(tiny_dir, prepared, max_frames_per_batch=200))
+    L.Trainer(default_root_dir=tmp_path, callbacks=[ckpt], **kwargs).fit(
+        full, make(tiny_dir, prepared, max_frames_per_batch=200)
+    )
     epochs = [[s for e, s in full.seen if e == k] for k in (0, 1)]
     assert len(epochs[0]) > 3 and epochs[0] != epochs[1]  # set_epoch reached the sampler
 
@@ -182,7 +191,10 @@ def test_errors_name_the_manifest_and_the_speaker(tiny_dir, prepared, tmp_path):
     silent = tmp_path / "silent.wav"
     sf.write(silent, np.zeros(24_000, dtype=np.float32), 24_000)
     bad.write_text(
-        json.dumps({"audio": "missing.wav", "text": "hi"}) + "\n" + json.dumps({"audio": str(silent), "text": "hi"}) + "\n"
+        json.dumps({"audio": "missing.wav", "text": "hi"})
+        + "\n"
+        + json.dumps({"audio": str(silent), "text": "hi"})
+        + "\n"
     )
     with pytest.raises(ValueError, match=r"bad\.jsonl.*missing_file"):
         make(tiny_dir, bad).prepare()
@@ -204,8 +216,12 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     assert "accepted 24 clips" in out and "speakers: alice, bob" in out
 
     # Flat flags, a flat data: section, and a failure.
-    assert prepare_command(["--pretrained", str(tiny_dir), "--data.train_manifest", str(prepared),
-                            "--max_frames_per_batch", "400"]) == 0
+    assert (
+        prepare_command(
+            ["--pretrained", str(tiny_dir), "--data.train_manifest", str(prepared), "--max_frames_per_batch", "400"]
+        )
+        == 0
+    )
     flat = tmp_path / "flat.yaml"
     flat.write_text(f"data:\n  pretrained: {tiny_dir}\n  train_manifest: {prepared}\n  speakers: [nobody]\n")
     assert prepare_command(["--config", str(flat), "--cache_dir", str(tmp_path / "c")]) == 1
@@ -240,9 +256,17 @@ def test_the_report_is_shown_once_per_fit(tiny_dir, prepared, tmp_path):
         data = make(tiny_dir, prepared, max_frames_per_batch=200)
         data.report_path.unlink()  # a report nobody has seen yet
         data.prepare()
-        L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                  default_root_dir=tmp_path).fit(_Recorder(), data)  # prepare_data prepares again
+        L.Trainer(
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        ).fit(_Recorder(), data)  # prepare_data prepares again
         make(tiny_dir, prepared).prepare()  # another instance (process): the same report, one line
     finally:
         rank_zero_logger.removeHandler(handler)
@@ -256,8 +280,12 @@ def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ra
     cache = tmp_path / "user-cache"
     env = {**os.environ, "TTS_LIGHTNING_CACHE": str(cache)}
     script = "from tts_lightning.model.pretrained import check_pretrained; print(check_pretrained('tiny').path)"
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     built = {Path(out.strip().splitlines()[-1]) for out, _ in outputs}

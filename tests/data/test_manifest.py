@@ -176,9 +176,7 @@ def test_jsonl_and_transcripts_in_another_encoding(tmp_path: Path, write_tone) -
 def test_ljspeech_quoted_fields_and_stray_columns(tmp_path: Path) -> None:
     csv_path = tmp_path / "metadata.csv"
     csv_path.write_text(
-        'LJ001|"A pipe | inside quotes"|"Normalised | too"\n'
-        "LJ002|text|normalized|\n"
-        'LJ003|"broken"quote|x|y\n',
+        'LJ001|"A pipe | inside quotes"|"Normalised | too"\nLJ002|text|normalized|\nLJ003|"broken"quote|x|y\n',
         encoding="utf-8",
     )
     result = load_manifest(csv_path)

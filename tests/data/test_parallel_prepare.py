@@ -14,7 +14,7 @@ from tts_lightning.data.demo import demo_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 import lightning as L
 import torch
@@ -36,7 +36,7 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, l
                     limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
 trainer.fit(Nothing(), data)
 print(f"rank {trainer.global_rank}: {len(data.train_dataset)} train clips", flush=True)
-'''
+"""
 
 
 def _files(cache: Path) -> dict[str, bytes]:
@@ -51,8 +51,14 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(script), str(tiny_dir), str(manifest), str(tmp_path / "parallel")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_dir), str(manifest), str(tmp_path / "parallel")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "rank 0: 22 train clips" in out and "rank 1: 22 train clips" in out
@@ -61,8 +67,9 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path):
     assert "codec cache: 0 clip(s) encoded, 24 already cached" in out
     assert out.count("data report (") == 1
 
-    SpeakerClipsDataModule(str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"),
-                           max_frames_per_batch=400).prepare()
+    SpeakerClipsDataModule(
+        str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"), max_frames_per_batch=400
+    ).prepare()
     parallel, serial = _files(tmp_path / "parallel"), _files(tmp_path / "serial")
     assert len([p for p in serial if p.endswith(".npy")]) == 24
     assert parallel.keys() == serial.keys()

@@ -35,8 +35,9 @@ def test_ray_workers_write_the_same_codes_as_one_process(tiny_dir, tmp_path, cap
     assert "accepted 24 clips" in capsys.readouterr().out
     assert any(line.startswith("codec cache: 24 clip(s) encoded on 2 Ray worker(s)") for line in lines), lines
 
-    SpeakerClipsDataModule(str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"),
-                           max_frames_per_batch=400).prepare()
+    SpeakerClipsDataModule(
+        str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"), max_frames_per_batch=400
+    ).prepare()
     ray, serial = _codes(tmp_path / "ray"), _codes(tmp_path / "serial")
     assert len(serial) == 24 and ray.keys() == serial.keys()
     assert [p for p in serial if ray[p] != serial[p]] == []

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import soundfile as sf
@@ -83,7 +82,9 @@ def test_speaker_cache_recomputes_only_changed_speakers(tiny_dir, tmp_path, monk
     }
     calls = []
     real = SpeakerEncoder.embed_files
-    monkeypatch.setattr(SpeakerEncoder, "embed_files", lambda self, paths, **kw: calls.append(paths) or real(self, paths, **kw))
+    monkeypatch.setattr(
+        SpeakerEncoder, "embed_files", lambda self, paths, **kw: calls.append(paths) or real(self, paths, **kw)
+    )
 
     first = compute_speaker_table(tmp_path, info, refs)
     assert len(calls) == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,8 +36,10 @@ def recording(tmp_path_factory):
         clip, sr = sf.read(record.audio, dtype="int16")
         assert sr == SR
         bounds.append((position, position + len(clip)))
-        cues.append(f"{k + 1}\n{_stamp(position / SR)} --> {_stamp((position + len(clip)) / SR)}\n"
-                    f"{record.speaker.upper()}: {record.text}\n")
+        cues.append(
+            f"{k + 1}\n{_stamp(position / SR)} --> {_stamp((position + len(clip)) / SR)}\n"
+            f"{record.speaker.upper()}: {record.text}\n"
+        )
         gap = np.zeros(int(SR * (0.4 if k % 2 else 4.4)), dtype=np.int16)
         parts += [clip, gap]
         position += len(clip) + len(gap)
@@ -63,7 +64,7 @@ def test_cues_become_clips_at_the_cue_boundaries(recording, tmp_path):
         assert abs(round(seg.start * SR) - start) < SAMPLES_PER_FRAME
         assert abs(round(seg.end * SR) - end) < SAMPLES_PER_FRAME
         clip, sr = sf.read(rec.audio, dtype="int16")
-        assert sr == SR and np.array_equal(clip, whole[round(seg.start * SR):round(seg.end * SR)])  # exact samples
+        assert sr == SR and np.array_equal(clip, whole[round(seg.start * SR) : round(seg.end * SR)])  # exact samples
         assert (rec.speaker, rec.text) == (seg.speaker, text) and seg.speaker in ("ALICE", "BOB")
         assert "talk.srt" not in rec.source and rec.source.startswith("train.jsonl:1 cue ")
 
@@ -79,8 +80,9 @@ def test_short_cues_merge_up_to_the_target_but_never_across_a_speaker_change(rec
     cues = parse_subtitles(root / "talk.srt")
     groups = merge_cues(cues, target_seconds=8.0)
     # Pairs across the short silences, except alice's last clip and bob's first: another speaker.
-    assert groups == [[0]] + [[k, k + 1] for k in range(1, 10, 2)] + [[11], [12]] + \
-        [[k, k + 1] for k in range(13, 22, 2)] + [[23]]
+    assert groups == [[0]] + [[k, k + 1] for k in range(1, 10, 2)] + [[11], [12]] + [
+        [k, k + 1] for k in range(13, 22, 2)
+    ] + [[23]]
     assert all(cues[g[-1]].end - cues[g[0]].start <= 8.0 for g in groups)
     assert merge_cues(cues, target_seconds=0.0) == [[k] for k in range(24)]
 
@@ -101,7 +103,9 @@ def test_webvtt_voices_markup_and_errors_name_file_and_line(tmp_path):
     )
     cues = parse_subtitles(vtt)
     assert [(c.start, c.end, c.speaker, c.text) for c in cues] == [
-        (0.5, 0.9, None, "before any label"), (1.0, 2.5, "Dr. Who", "Hello there."), (3.0, 4.0, "Rose", "Run!"),
+        (0.5, 0.9, None, "before any label"),
+        (1.0, 2.5, "Dr. Who", "Hello there."),
+        (3.0, 4.0, "Rose", "Run!"),
         (5.0, 6.0, "Rose", "Still Rose."),  # an unlabelled cue continues the last speaker
     ]
     assert cues[1].line == 11
@@ -119,8 +123,13 @@ def test_prepare_validates_encodes_once_and_reports_the_segments(recording, tiny
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
     try:
         for _ in range(2):
-            data = SpeakerClipsDataModule(str(tiny_dir), str(root / "train.jsonl"), cache_dir=str(tmp_path / "cache"),
-                                          subtitle_target_seconds=6.0, max_frames_per_batch=400)
+            data = SpeakerClipsDataModule(
+                str(tiny_dir),
+                str(root / "train.jsonl"),
+                cache_dir=str(tmp_path / "cache"),
+                subtitle_target_seconds=6.0,
+                max_frames_per_batch=400,
+            )
             assert data.speaker_names == ["ALICE", "BOB"]
             report = data.prepare()
     finally:

@@ -174,10 +174,12 @@ def test_speaking_rate_rejects_a_mismatched_transcript_and_accepts_natural_speed
     extra = [
         # The shortest alice clip (2.1 s) with five sentences of text.
         ClipRecord(_write_variant(clips / "alice_000.flac", tmp_path / "short.wav"), five_sentences, "alice", "x:1"),
-        ClipRecord(_write_variant(clips / "alice_003.flac", tmp_path / "slow.wav", speed=0.8), records[3].text,
-                   "alice", "x:2"),
-        ClipRecord(_write_variant(clips / "alice_004.flac", tmp_path / "fast.wav", speed=1.3), records[4].text,
-                   "alice", "x:3"),
+        ClipRecord(
+            _write_variant(clips / "alice_003.flac", tmp_path / "slow.wav", speed=0.8), records[3].text, "alice", "x:2"
+        ),
+        ClipRecord(
+            _write_variant(clips / "alice_004.flac", tmp_path / "fast.wav", speed=1.3), records[4].text, "alice", "x:3"
+        ),
     ]
     report = validate_clips(records + extra)
     assert len(report.accepted) == 24 + 2 and {c.record.source for c in report.accepted} >= {"x:2", "x:3"}

@@ -36,8 +36,11 @@ class CheckFrozen(Callback):
                 assert torch.equal(param.detach().cpu(), reader.read(checkpoint_key(name)).float()), name
                 checked += 1
         assert checked and moved and self.backwards
-        print(f"[CheckFrozen] rank {trainer.global_rank}: {checked} frozen weights unchanged, "
-              f"{moved} lora_B moved, {self.backwards} backward passes checked", flush=True)
+        print(
+            f"[CheckFrozen] rank {trainer.global_rank}: {checked} frozen weights unchanged, "
+            f"{moved} lora_B moved, {self.backwards} backward passes checked",
+            flush=True,
+        )
 
 
 class ReportDtypes(Callback):
@@ -46,5 +49,8 @@ class ReportDtypes(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         frozen = {p.dtype for p in pl_module.parameters() if not p.requires_grad}
         trainable = {p.dtype for p in pl_module.parameters() if p.requires_grad}
-        print(f"[ReportDtypes] rank {trainer.global_rank}: frozen {', '.join(map(str, sorted(frozen, key=str)))}, "
-              f"trainable {', '.join(map(str, sorted(trainable, key=str)))}", flush=True)
+        print(
+            f"[ReportDtypes] rank {trainer.global_rank}: frozen {', '.join(map(str, sorted(frozen, key=str)))}, "
+            f"trainable {', '.join(map(str, sorted(trainable, key=str)))}",
+            flush=True,
+        )

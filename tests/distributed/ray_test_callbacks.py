@@ -46,5 +46,11 @@ class RecordSteps(Callback):
         if trainer.global_step != self._last:
             self._last = trainer.global_step
             digest = hashlib.sha1(batch.codes.cpu().numpy().tobytes()).hexdigest()[:16]
-            self._write(trainer, event="step", step=trainer.global_step, epoch=trainer.current_epoch,
-                        batch_idx=batch_idx, batch=digest)
+            self._write(
+                trainer,
+                event="step",
+                step=trainer.global_step,
+                epoch=trainer.current_epoch,
+                batch_idx=batch_idx,
+                batch=digest,
+            )

@@ -76,11 +76,12 @@ class Checks(L.Callback):
         strategy, rank = trainer.strategy, trainer.global_rank
         result = {"rank": rank}
         reference = reference_model(self.pretrained)
-        with FSDP.state_dict_type(strategy.model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        with FSDP.state_dict_type(
+            strategy.model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        ):
             full = strategy.model.state_dict()
         ref = reference.state_dict()
-        mine = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+        mine = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
         result["weights_keys_equal"] = set(mine) == set(ref)
         result["weights_bit_identical"] = all(torch.equal(mine[k], ref[k]) for k in ref)
 
@@ -106,12 +107,22 @@ class Checks(L.Callback):
 
 def main(pretrained, manifest, cache, out):
     out = Path(out)
-    data = SpeakerClipsDataModule(pretrained, manifest, val_fraction=0.15, cache_dir=cache, seed=0,
-                                  max_frames_per_batch=150)
+    data = SpeakerClipsDataModule(
+        pretrained, manifest, val_fraction=0.15, cache_dir=cache, seed=0, max_frames_per_batch=150
+    )
     module = Qwen3TTSModule(pretrained, speakers=data.speaker_names)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Qwen3TTSFSDPStrategy(), precision="32-true",
-                        limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=[Checks(out, pretrained)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=Qwen3TTSFSDPStrategy(),
+        precision="32-true",
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[Checks(out, pretrained)],
+    )
     trainer.validate(module, datamodule=data)
 
 

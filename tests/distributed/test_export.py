@@ -25,17 +25,52 @@ def checkpoints(tmp_path_factory, tiny_dir):
     shutil.copytree(demo_dir(), root / "demo")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     subprocess.run(
-        [sys.executable, "-m", "tts_lightning", "fit", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
-         "--data.pretrained", str(tiny_dir), "--data.train_manifest", str(root / "demo" / "train.jsonl"),
-         "--data.cache_dir", str(root / "cache"), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-         "--trainer.default_root_dir", str(root / "run"), "--trainer.logger.init_args.save_dir", str(root / "run")],
-        cwd=root, env=env, check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "tts_lightning",
+            "fit",
+            "--config",
+            str(REPO / "configs" / "tiny-cpu.yaml"),
+            "--data.pretrained",
+            str(tiny_dir),
+            "--data.train_manifest",
+            str(root / "demo" / "train.jsonl"),
+            "--data.cache_dir",
+            str(root / "cache"),
+            "--trainer.max_steps",
+            "4",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.default_root_dir",
+            str(root / "run"),
+            "--trainer.logger.init_args.save_dir",
+            str(root / "run"),
+        ],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     sharded = next((root / "run").rglob("last.ckpt"))
     assert sharded.is_dir() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
     full = root / "full.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(sharded),
-                    "--output_file", str(full)], env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning.pytorch.utilities.consolidate_checkpoint",
+            str(sharded),
+            "--output_file",
+            str(full),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return root, sharded, full
 
 
@@ -94,9 +129,12 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         export_custom_voice(corrupt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning", "export", "--ckpt", str(corrupt), "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tts_lightning", "export", "--ckpt", str(corrupt), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 1 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
 
 

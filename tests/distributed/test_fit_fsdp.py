@@ -22,8 +22,14 @@ CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 
 def run_cli(*args, cwd, check=True, timeout=900):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}"}
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tts_lightning", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -37,11 +43,24 @@ def workdir(tmp_path_factory, tiny_dir):
 
 
 def fit_args(workdir, tiny_dir, run, *extra):
-    return ["fit", "--config", CONFIG,
-            "--data.pretrained", tiny_dir, "--data.train_manifest", workdir / "demo" / "train.jsonl",
-            "--data.cache_dir", workdir / "cache", "--data.max_frames_per_batch", 150,
-            "--trainer.default_root_dir", workdir / run,
-            "--trainer.logger.init_args.save_dir", workdir / run, *extra]
+    return [
+        "fit",
+        "--config",
+        CONFIG,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.default_root_dir",
+        workdir / run,
+        "--trainer.logger.init_args.save_dir",
+        workdir / run,
+        *extra,
+    ]
 
 
 def scalars(run_dir):
@@ -56,8 +75,9 @@ def scalars(run_dir):
 
 @pytest.fixture(scope="module")
 def fitted(workdir, tiny_dir):
-    proc = run_cli(*fit_args(workdir, tiny_dir, "run", "--trainer.max_steps", 12,
-                             "--trainer.val_check_interval", 4), cwd=workdir)
+    proc = run_cli(
+        *fit_args(workdir, tiny_dir, "run", "--trainer.max_steps", 12, "--trainer.val_check_interval", 4), cwd=workdir
+    )
     return workdir / "run", proc
 
 
@@ -88,13 +108,20 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, state_dict_typ
     """A run killed mid-epoch at step 9 (last checkpoint at step 7) and resumed with
     `--ckpt_path last` ends with the weights of a run that was never interrupted."""
     steps = 14
-    common = ("--trainer.max_steps", steps, "--trainer.val_check_interval", 7,
-              "--trainer.strategy.init_args.state_dict_type", state_dict_type)
+    common = (
+        "--trainer.max_steps",
+        steps,
+        "--trainer.val_check_interval",
+        7,
+        "--trainer.strategy.init_args.state_dict_type",
+        state_dict_type,
+    )
     straight_dir, resumed_dir = f"straight-{state_dict_type}", f"resumed-{state_dict_type}"
     run_cli(*fit_args(workdir, tiny_dir, straight_dir, *common), cwd=workdir)
     crash = '{"class_path": "crash_callbacks.CrashAt", "init_args": {"step": 9}}'
-    crashed = run_cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"),
-                      cwd=workdir, check=False)
+    crashed = run_cli(
+        *fit_args(workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"), cwd=workdir, check=False
+    )
     assert crashed.returncode != 0 and "[CrashAt] rank 0 exits at global_step 9" in crashed.stdout
     assert load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt").global_step == 7
     resumed_run = run_cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
@@ -107,8 +134,7 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, state_dict_typ
     for key, value in straight.state_dict.items():
         torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
     # The weights must have moved, or the comparison proves nothing.
-    assert not torch.equal(straight.state_dict["model.talker.codec_head.weight"],
-                           _pretrained_codec_head(tiny_dir))
+    assert not torch.equal(straight.state_dict["model.talker.codec_head.weight"], _pretrained_codec_head(tiny_dir))
 
 
 def _pretrained_codec_head(tiny_dir):
@@ -123,22 +149,40 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir):
     assert best
     ckpt = best[0]
     logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
-    run_cli("validate", "--config", CONFIG, "--data.pretrained", tiny_dir,
-            "--data.train_manifest", workdir / "demo" / "train.jsonl", "--data.cache_dir", workdir / "cache",
-            "--data.max_frames_per_batch", 150,
-            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-            "--trainer.logger.save_dir", workdir / "validate", "--ckpt_path", ckpt, cwd=workdir)
+    run_cli(
+        "validate",
+        "--config",
+        CONFIG,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir",
+        workdir / "validate",
+        "--ckpt_path",
+        ckpt,
+        cwd=workdir,
+    )
     rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
     reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
     assert abs(reported - logged) < 1e-4, (reported, logged)
 
 
-@pytest.mark.parametrize("override, needle", [
-    (["--model.no_such_option", "1"], "no_such_option"),
-    (["--model.learning_rate", "fast"], "learning_rate"),
-    (["--data.pretrained", "/no/such/dir"], "/no/such/dir"),
-    (["--data.speakers", "[carol]"], "carol"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["--model.no_such_option", "1"], "no_such_option"),
+        (["--model.learning_rate", "fast"], "learning_rate"),
+        (["--data.pretrained", "/no/such/dir"], "/no/such/dir"),
+        (["--data.speakers", "[carol]"], "carol"),
+    ],
+)
 def test_bad_config_fails_before_spawning(workdir, tiny_dir, override, needle):
     args = fit_args(workdir, tiny_dir, "bad")
     proc = run_cli(*args, *override, cwd=workdir, check=False, timeout=120)

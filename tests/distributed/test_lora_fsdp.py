@@ -26,8 +26,14 @@ CHECK_FROZEN = '{"class_path": "lora_callbacks.CheckFrozen"}'
 
 def run_cli(*args, cwd, check=True, timeout=900):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}"}
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tts_lightning", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -52,12 +58,28 @@ def workdir(tmp_path_factory, tiny_dir):
 
 
 def fit_args(workdir, tiny_dir, run, *extra, config=CONFIG):
-    return ["fit", "--config", config,
-            "--data.pretrained", tiny_dir, "--data.train_manifest", workdir / "demo" / "train.jsonl",
-            "--data.cache_dir", workdir / "cache", "--data.max_frames_per_batch", 150,
-            "--trainer.max_steps", STEPS, "--trainer.val_check_interval", CHECKPOINT_EVERY,
-            "--trainer.default_root_dir", workdir / run, "--trainer.logger.init_args.save_dir", workdir / run,
-            *extra]
+    return [
+        "fit",
+        "--config",
+        config,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.max_steps",
+        STEPS,
+        "--trainer.val_check_interval",
+        CHECKPOINT_EVERY,
+        "--trainer.default_root_dir",
+        workdir / run,
+        "--trainer.logger.init_args.save_dir",
+        workdir / run,
+        *extra,
+    ]
 
 
 def newest_last(run_dir):
@@ -73,8 +95,10 @@ def runs(workdir, tiny_dir):
         extra = ["--trainer.strategy.init_args.state_dict_type", kind]
         if kind == "sharded":
             extra.append(f"--trainer.callbacks+={CHECK_FROZEN}")
-        out[kind] = (workdir / f"straight-{kind}", run_cli(*fit_args(workdir, tiny_dir, f"straight-{kind}", *extra),
-                                                          cwd=workdir))
+        out[kind] = (
+            workdir / f"straight-{kind}",
+            run_cli(*fit_args(workdir, tiny_dir, f"straight-{kind}", *extra), cwd=workdir),
+        )
     return out
 
 
@@ -82,8 +106,11 @@ def test_lora_trains_with_two_fsdp_ranks(runs):
     run_dir, proc = runs["sharded"]
     output = proc.stdout + proc.stderr
     for rank in (0, 1):
-        assert re.search(rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
-                         rf"{STEPS} backward passes checked", output), output[-3000:]
+        assert re.search(
+            rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
+            rf"{STEPS} backward passes checked",
+            output,
+        ), output[-3000:]
     assert len(re.findall(r"\[rank \d\] FSDP FULL_SHARD", output)) == 2
     val = [v for _, v in scalars(run_dir)["val/loss"]]
     assert len(val) == 2 and val[-1] < val[0], val
@@ -94,9 +121,21 @@ def test_lora_trains_with_two_fsdp_ranks(runs):
 
 def test_lora_checkpoint_is_under_a_tenth_of_full_fine_tuning(runs, workdir, tiny_dir):
     full_ft = workdir / "full-ft"
-    run_cli(*fit_args(workdir, tiny_dir, "full-ft", "--trainer.max_steps", 1, "--trainer.val_check_interval", 1,
-                      "--trainer.strategy.init_args.state_dict_type", "full", config=REPO / "configs" / "tiny-cpu.yaml"),
-            cwd=workdir)
+    run_cli(
+        *fit_args(
+            workdir,
+            tiny_dir,
+            "full-ft",
+            "--trainer.max_steps",
+            1,
+            "--trainer.val_check_interval",
+            1,
+            "--trainer.strategy.init_args.state_dict_type",
+            "full",
+            config=REPO / "configs" / "tiny-cpu.yaml",
+        ),
+        cwd=workdir,
+    )
     lora = newest_last(runs["full"][0]).stat().st_size
     full = newest_last(full_ft).stat().st_size
     assert lora < 0.1 * full, (lora, full)
@@ -108,8 +147,9 @@ def test_resume_gives_the_same_adapters(runs, workdir, tiny_dir, state_dict_type
     run = f"resumed-{state_dict_type}"
     common = ("--trainer.strategy.init_args.state_dict_type", state_dict_type)
     crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH_AT}}}}}'
-    crashed = run_cli(*fit_args(workdir, tiny_dir, run, *common, f"--trainer.callbacks+={crash}"), cwd=workdir,
-                      check=False)
+    crashed = run_cli(
+        *fit_args(workdir, tiny_dir, run, *common, f"--trainer.callbacks+={crash}"), cwd=workdir, check=False
+    )
     assert crashed.returncode != 0 and f"exits at global_step {CRASH_AT}" in crashed.stdout
     assert load_training_checkpoint(workdir / run / "checkpoints" / "last.ckpt").global_step == CHECKPOINT_EVERY
     resumed = run_cli(*fit_args(workdir, tiny_dir, run, *common, "--ckpt_path", "last"), cwd=workdir)
@@ -154,8 +194,11 @@ def test_merged_export_equals_the_adapter_model(runs, workdir, tiny_dir, make_da
     with torch.no_grad():
         adapted = module.eval()(batch).loss
         merged = compute_loss(plain.eval().talker, batch, module.hparams.sub_talker_loss_weight).loss
-        base = compute_loss(MetaWeights(m := build_empty_model(info), info).materialize_all(m).eval().talker,
-                            batch, module.hparams.sub_talker_loss_weight).loss
+        base = compute_loss(
+            MetaWeights(m := build_empty_model(info), info).materialize_all(m).eval().talker,
+            batch,
+            module.hparams.sub_talker_loss_weight,
+        ).loss
     assert abs(float(adapted) - float(merged)) < 1e-5, (float(adapted), float(merged))
     assert abs(float(adapted) - float(base)) > 1e-4  # the adapters changed the model
 
@@ -181,8 +224,11 @@ def test_adapter_only_export_is_peft_format(runs, workdir, tiny_dir):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
     assert json.loads((out / "speakers.json").read_text())["speakers"] == ["alice", "bob"]
-    merged = load_file(str(workdir / "voice-sharded" / "model.safetensors")) \
-        if (workdir / "voice-sharded").exists() else None
+    merged = (
+        load_file(str(workdir / "voice-sharded" / "model.safetensors"))
+        if (workdir / "voice-sharded").exists()
+        else None
+    )
 
     info = check_pretrained(tiny_dir)
     base = MetaWeights(model := build_empty_model(info), info).materialize_all(model)
@@ -203,10 +249,26 @@ def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, t
     run_dir, _ = runs["sharded"]
     ckpt = next(c for c in sorted(run_dir.rglob("*.ckpt")) if c.name != "last.ckpt")
     logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
-    run_cli("validate", "--config", CONFIG, "--data.pretrained", tiny_dir,
-            "--data.train_manifest", workdir / "demo" / "train.jsonl", "--data.cache_dir", workdir / "cache",
-            "--data.max_frames_per_batch", 150, "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-            "--trainer.logger.save_dir", workdir / "validate", "--ckpt_path", ckpt, cwd=workdir)
+    run_cli(
+        "validate",
+        "--config",
+        CONFIG,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.logger",
+        "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir",
+        workdir / "validate",
+        "--ckpt_path",
+        ckpt,
+        cwd=workdir,
+    )
     rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
     reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
     assert abs(reported - logged) < 1e-4, (reported, logged)
@@ -214,10 +276,23 @@ def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, t
 
 def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir):
     """Under bf16-mixed the frozen base is stored in bf16 (the adapters stay fp32) and it trains."""
-    proc = run_cli(*fit_args(workdir, tiny_dir, "bf16", "--trainer.precision", "bf16-mixed",
-                             "--trainer.max_steps", 2, "--trainer.val_check_interval", 2,
-                             "--trainer.enable_checkpointing", "false",
-                             '--trainer.callbacks+={"class_path": "lora_callbacks.ReportDtypes"}'), cwd=workdir)
+    proc = run_cli(
+        *fit_args(
+            workdir,
+            tiny_dir,
+            "bf16",
+            "--trainer.precision",
+            "bf16-mixed",
+            "--trainer.max_steps",
+            2,
+            "--trainer.val_check_interval",
+            2,
+            "--trainer.enable_checkpointing",
+            "false",
+            '--trainer.callbacks+={"class_path": "lora_callbacks.ReportDtypes"}',
+        ),
+        cwd=workdir,
+    )
     output = proc.stdout + proc.stderr
     for rank in (0, 1):
         assert f"[ReportDtypes] rank {rank}: frozen torch.bfloat16, trainable torch.float32" in output, output[-3000:]

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from tts_lightning.distributed.memory import (
-    GiB,
     TEXT_EMBEDDING,
+    GiB,
     _activation_bytes,
     count_parameters,
     model_shape,
@@ -19,8 +19,15 @@ from tts_lightning.distributed.memory import (
 from tts_lightning.distributed.plan_cli import plan_command
 from tts_lightning.model.pretrained import build_model, check_pretrained
 
-BASE = dict(gpus=4, gpu_memory_gb=16, sharding="FULL_SHARD", precision="bf16-mixed",
-            activation_checkpointing=True, cpu_offload=False, micro_batch_frames=2000)
+BASE = dict(
+    gpus=4,
+    gpu_memory_gb=16,
+    sharding="FULL_SHARD",
+    precision="bf16-mixed",
+    activation_checkpointing=True,
+    cpu_offload=False,
+    micro_batch_frames=2000,
+)
 
 
 @pytest.mark.parametrize("preset, expected", [("1.7b", 1_928.7e6), ("0.6b", 914.6e6)])
@@ -58,12 +65,17 @@ def test_units_are_the_units_fsdp_builds(tiny_dir):
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(import_classes(DEFAULT_WRAP)),
-                       device_id=torch.device("cpu"), use_orig_params=True)
+        wrapped = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(import_classes(DEFAULT_WRAP)),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
         names = {id(m): n.replace("_fsdp_wrapped_module.", "") for n, m in wrapped.named_modules()}
         fsdp_units = sorted(
             (names[id(m)], m._handle.flat_param._unpadded_unsharded_size.numel())
-            for m in FSDP.fsdp_modules(wrapped) if m._handle is not None
+            for m in FSDP.fsdp_modules(wrapped)
+            if m._handle is not None
         )
     finally:
         dist.destroy_process_group()
@@ -122,11 +134,17 @@ def test_activation_formula_matches_saved_tensors():
 
     config, _ = tiny_configs()
     talker = config["talker_config"]
-    talker.update(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=64, rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8],
-                                             "interleaved": True})
-    talker["code_predictor_config"].update(hidden_size=256, intermediate_size=768, num_attention_heads=4,
-                                           num_key_value_heads=2, head_dim=64)
+    talker.update(
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "interleaved": True},
+    )
+    talker["code_predictor_config"].update(
+        hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+    )
     config["speaker_encoder_config"]["enc_dim"] = 256
     cfg = Qwen3TTSConfig.from_dict(config)
     for c in (cfg, cfg.talker_config, cfg.talker_config.code_predictor_config):
@@ -135,8 +153,14 @@ def test_activation_formula_matches_saved_tensors():
     model = Qwen3TTSForConditionalGeneration(cfg).to(torch.bfloat16)
     rng = random.Random(0)
     ids = SpecialIds.from_config(config)
-    seqs = [build_sequence(ids, [1, 2, 3] + [rng.randrange(300) for _ in range(10)] + [4, 5, 6, 7, 8],
-                           torch.randint(0, 256, (60 - 10 * i, 16))) for i in range(3)]
+    seqs = [
+        build_sequence(
+            ids,
+            [1, 2, 3] + [rng.randrange(300) for _ in range(10)] + [4, 5, 6, 7, 8],
+            torch.randint(0, 256, (60 - 10 * i, 16)),
+        )
+        for i in range(3)
+    ]
     batch = collate(seqs, torch.randn(3, 256), [0, 1, 2], pad_text_id=0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
@@ -150,12 +174,20 @@ def test_activation_formula_matches_saved_tensors():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compute_loss(model.talker, batch)
     logits = [out.talker_logits, out.predictor_logits]
-    measured = sum(saved.values()) + sum(
-        t.untyped_storage().nbytes() for t in logits if t.untyped_storage().data_ptr() not in saved
-    ) + sum(4 * t.numel() for t in logits)
+    measured = (
+        sum(saved.values())
+        + sum(t.untyped_storage().nbytes() for t in logits if t.untyped_storage().data_ptr() not in saved)
+        + sum(4 * t.numel() for t in logits)
+    )
     acts, logit_bytes = _activation_bytes(
-        model_shape(config).dims, batch.text_ids.numel(), 2, False, False,
-        frames=int(batch.frame_mask.sum()), targets=int((batch.labels != -100).sum()))
+        model_shape(config).dims,
+        batch.text_ids.numel(),
+        2,
+        False,
+        False,
+        frames=int(batch.frame_mask.sum()),
+        targets=int((batch.labels != -100).sum()),
+    )
     assert acts + logit_bytes == pytest.approx(measured, rel=0.03)
 
 
@@ -163,12 +195,13 @@ def test_plan_command_exit_codes(capsys):
     assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "FITS" in out and "optimizer states" in out
-    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16",
-                         "--no-activation-checkpointing"]) == 1
+    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16", "--no-activation-checkpointing"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "activation checkpointing" in out
-    assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16", "--sharding", "NO_SHARD",
-                         "--freeze"]) == 1
+    assert (
+        plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16", "--sharding", "NO_SHARD", "--freeze"])
+        == 1
+    )
     assert "FULL_SHARD" in capsys.readouterr().out
     assert plan_command(["--model", "no-such-model", "--gpu-memory", "16"]) == 2
     assert "no-such-model" in capsys.readouterr().err
@@ -176,9 +209,14 @@ def test_plan_command_exit_codes(capsys):
 
 def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     released = {
-        "trainer": {"devices": 4, "precision": "bf16-mixed", "strategy": {
-            "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
-            "init_args": {"sharding_strategy": "FULL_SHARD"}}},
+        "trainer": {
+            "devices": 4,
+            "precision": "bf16-mixed",
+            "strategy": {
+                "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
+                "init_args": {"sharding_strategy": "FULL_SHARD"},
+            },
+        },
         "model": {"freeze": ["speaker_encoder"]},
         "data": {"pretrained": "Qwen/Qwen3-TTS-12Hz-1.7B-Base", "max_frames_per_batch": 2000},
     }
@@ -192,13 +230,22 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     capsys.readouterr()
 
     tiny = {
-        "trainer": {"devices": 2, "precision": "32-true", "strategy": {
-            "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
-            "init_args": {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing_policy": []}}},
-        "model": {"class_path": "tts_lightning.Qwen3TTSModule",
-                  "init_args": {"freeze": ["speaker_encoder", TEXT_EMBEDDING]}},
-        "data": {"class_path": "tts_lightning.SpeakerClipsDataModule",
-                 "init_args": {"pretrained": str(tiny_dir), "max_frames_per_batch": 400}},
+        "trainer": {
+            "devices": 2,
+            "precision": "32-true",
+            "strategy": {
+                "class_path": "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy",
+                "init_args": {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing_policy": []},
+            },
+        },
+        "model": {
+            "class_path": "tts_lightning.Qwen3TTSModule",
+            "init_args": {"freeze": ["speaker_encoder", TEXT_EMBEDDING]},
+        },
+        "data": {
+            "class_path": "tts_lightning.SpeakerClipsDataModule",
+            "init_args": {"pretrained": str(tiny_dir), "max_frames_per_batch": 400},
+        },
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny))

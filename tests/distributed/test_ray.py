@@ -29,16 +29,49 @@ def ray_fit(workdir, tiny_dir, run, *extra, callbacks=(), timeout=420):
     """Run the command in a fresh process (its own local Ray cluster), as a user would."""
     extra_config = workdir / f"{run}.yaml"
     extra_config.write_text(json.dumps({"trainer": {"callbacks": list(callbacks)}}))  # JSON is YAML
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
-    args = ["--config", CONFIG, "--config", extra_config,
-            "--data.pretrained", tiny_dir, "--data.train_manifest", workdir / "demo" / "train.jsonl",
-            "--data.cache_dir", workdir / "cache", "--data.max_frames_per_batch", 150,
-            "--trainer.default_root_dir", workdir / run, "--trainer.logger.init_args.save_dir", workdir / run,
-            "--trainer.max_steps", MAX_STEPS, "--trainer.val_check_interval", 4,
-            "--ray.num_workers", 2, "--ray.checkpoint_every_n_steps", EVERY, "--ray.name", run, *extra]
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning.distributed.ray_cli", *map(str, args)],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)]),
+    }
+    args = [
+        "--config",
+        CONFIG,
+        "--config",
+        extra_config,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.default_root_dir",
+        workdir / run,
+        "--trainer.logger.init_args.save_dir",
+        workdir / run,
+        "--trainer.max_steps",
+        MAX_STEPS,
+        "--trainer.val_check_interval",
+        4,
+        "--ray.num_workers",
+        2,
+        "--ray.checkpoint_every_n_steps",
+        EVERY,
+        "--ray.name",
+        run,
+        *extra,
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tts_lightning.distributed.ray_cli", *map(str, args)],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, proc.stdout + proc.stderr
 
 
@@ -47,8 +80,10 @@ def record(path):
 
 
 def crash(marker):
-    return {"class_path": "ray_test_callbacks.CrashOnce",
-            "init_args": {"step": CRASH_AT, "marker": str(marker), "rank": 1}}
+    return {
+        "class_path": "ray_test_callbacks.CrashOnce",
+        "init_args": {"step": CRASH_AT, "marker": str(marker), "rank": 1},
+    }
 
 
 def attempts(steps_file):
@@ -103,6 +138,7 @@ def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny
     assert load_training_checkpoint(final).global_step == MAX_STEPS
 
     from qwen_tts import Qwen3TTSModel
+
     from tts_lightning.model.export import export_custom_voice
 
     out = export_custom_voice(final, workdir / "voice", dtype="fp32")
@@ -113,8 +149,9 @@ def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny
 @needs_ray
 def test_worker_crash_resumes_from_the_last_checkpoint(straight, workdir, tiny_dir):
     marker, steps_file = workdir / "crashed.marker", workdir / "resumed.jsonl"
-    proc, log = ray_fit(workdir, tiny_dir, "resumed", "--ray.max_failures", 1,
-                        callbacks=[crash(marker), record(steps_file)])
+    proc, log = ray_fit(
+        workdir, tiny_dir, "resumed", "--ray.max_failures", 1, callbacks=[crash(marker), record(steps_file)]
+    )
     assert proc.returncode == 0, log[-8000:]
     assert marker.is_file() and f"rank 1 exits at global_step {CRASH_AT}" in log
     run_dir = workdir / "resumed"
@@ -143,8 +180,14 @@ def test_worker_crash_resumes_from_the_last_checkpoint(straight, workdir, tiny_d
 @needs_ray
 def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(workdir, tiny_dir):
     marker = workdir / "failed.marker"
-    proc, log = ray_fit(workdir, tiny_dir, "failed", "--ray.max_failures", 0,
-                        callbacks=[crash(marker), record(workdir / "failed.jsonl")])
+    proc, log = ray_fit(
+        workdir,
+        tiny_dir,
+        "failed",
+        "--ray.max_failures",
+        0,
+        callbacks=[crash(marker), record(workdir / "failed.jsonl")],
+    )
     assert proc.returncode == 1, log[-8000:]
     assert marker.is_file()
     assert "tts-lightning ray-fit: error: training failed (max_failures=0): WorkerGroupError" in proc.stderr
@@ -167,23 +210,41 @@ def test_help_names_the_ray_options_and_what_they_replace(capsys):
         ray_cli.ray_fit_command(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--ray.address", "--ray.num_workers", "--ray.use_gpu", "--ray.resources_per_worker",
-                   "--ray.max_failures", "--ray.storage_path", "--ray.name"):
+    for option in (
+        "--ray.address",
+        "--ray.num_workers",
+        "--ray.use_gpu",
+        "--ray.resources_per_worker",
+        "--ray.max_failures",
+        "--ray.storage_path",
+        "--ray.name",
+    ):
         assert option in text
     assert "trainer.devices and trainer.num_nodes are replaced" in " ".join(text.split())
 
 
 @needs_ray
-@pytest.mark.parametrize("override, code, needle", [
-    (["--model.no_such_option", "1"], 2, "no_such_option"),
-    (["--data.speakers", "[carol]"], 1, "carol"),
-])
+@pytest.mark.parametrize(
+    "override, code, needle",
+    [
+        (["--model.no_such_option", "1"], 2, "no_such_option"),
+        (["--data.speakers", "[carol]"], 1, "carol"),
+    ],
+)
 def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, capsys, override, code, needle):
     import ray
 
-    args = ["--config", str(CONFIG), "--data.pretrained", str(tiny_dir),
-            "--data.train_manifest", str(workdir / "demo" / "train.jsonl"),
-            "--data.cache_dir", str(workdir / "bad-cache"), *override]
+    args = [
+        "--config",
+        str(CONFIG),
+        "--data.pretrained",
+        str(tiny_dir),
+        "--data.train_manifest",
+        str(workdir / "demo" / "train.jsonl"),
+        "--data.cache_dir",
+        str(workdir / "bad-cache"),
+        *override,
+    ]
     try:
         rc = ray_cli.ray_fit_command(args)
     except SystemExit as exc:  # LightningCLI's parser error

@@ -88,12 +88,26 @@ def test_each_node_renames_its_own_checkpoint_files(tmp_path):
     port = str(29500 + os.getpid() % 1000)
     procs = []
     for node in (0, 1):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "WORLD_SIZE": "2", "NODE_RANK": str(node), "LOCAL_RANK": "0",
-               "GROUP_RANK": str(node)}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": "2",
+            "NODE_RANK": str(node),
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": str(node),
+        }
         command = f"mount -t tmpfs -o size=64m tmpfs {local} && exec {sys.executable} {script} {local} {report}"
-        procs.append(subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     assert not list(local.iterdir()), "the tmpfs mounts leaked into the test's namespace"

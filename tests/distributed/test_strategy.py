@@ -125,16 +125,21 @@ trainer:
     assert _policy_classes(strategy.kwargs["auto_wrap_policy"]) == {_layer_classes()[0]}
 
 
-@pytest.mark.parametrize("init_args, needle", [
-    ("backward_prefetch: SOMETIMES", "backward_prefetch"),
-    ("sharding_strategy: SHARD_EVERYTHING", "sharding_strategy"),
-    ("limit_all_gathers: maybe", "limit_all_gathers"),
-    ("no_such_fsdp_option: 1", "no_such_fsdp_option"),
-])
+@pytest.mark.parametrize(
+    "init_args, needle",
+    [
+        ("backward_prefetch: SOMETIMES", "backward_prefetch"),
+        ("sharding_strategy: SHARD_EVERYTHING", "sharding_strategy"),
+        ("limit_all_gathers: maybe", "limit_all_gathers"),
+        ("no_such_fsdp_option: 1", "no_such_fsdp_option"),
+    ],
+)
 def test_bad_fsdp_options_are_rejected_by_name(init_args, needle):
     parser = _trainer_parser()
-    text = ("trainer:\n  strategy:\n    class_path: tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy\n"
-            f"    init_args:\n      {init_args}\n")
+    text = (
+        "trainer:\n  strategy:\n    class_path: tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy\n"
+        f"    init_args:\n      {init_args}\n"
+    )
     with pytest.raises(Exception, match=needle):
         parser.parse_string(text)
 
@@ -167,8 +172,10 @@ def test_plain_fsdp_strategy_rejects_untyped_options():
     which LightningCLI does not accept from YAML."""
     parser = _trainer_parser()
     with pytest.raises(Exception, match="limit_all_gathers"):
-        parser.parse_string("trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.FSDPStrategy\n"
-                            "    init_args:\n      limit_all_gathers: true\n")
+        parser.parse_string(
+            "trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.FSDPStrategy\n"
+            "    init_args:\n      limit_all_gathers: true\n"
+        )
 
 
 def test_strategy_argument_accepts_a_strategy_name_too():
@@ -207,8 +214,12 @@ def batch(tiny_dir):
     g = torch.Generator().manual_seed(0)
     codebook = info.config["talker_config"]["code_predictor_config"]["vocab_size"]
     sequences = [
-        build_sequence(ids, tokenize_text(tokenizer, text), torch.randint(0, codebook, (frames, 16), generator=g),
-                       language="english")
+        build_sequence(
+            ids,
+            tokenize_text(tokenizer, text),
+            torch.randint(0, codebook, (frames, 16), generator=g),
+            language="english",
+        )
         for text, frames in (("The morning train was late again.", 40), ("She planted roses.", 25))
     ]
     speakers = torch.randn(2, info.config["talker_config"]["hidden_size"], generator=g)
@@ -221,8 +232,12 @@ def _wrapped(tiny_dir, precision: str, **strategy_kwargs):
     module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
     module.configure_model()
     # NO_SHARD: what FSDP switches to at world size 1 anyway (said here, so it does not warn).
-    strategy = Qwen3TTSFSDPStrategy(parallel_devices=[torch.device("cpu")], sharding_strategy="NO_SHARD",
-                                    precision_plugin=FSDPPrecision(precision), **strategy_kwargs)
+    strategy = Qwen3TTSFSDPStrategy(
+        parallel_devices=[torch.device("cpu")],
+        sharding_strategy="NO_SHARD",
+        precision_plugin=FSDPPrecision(precision),
+        **strategy_kwargs,
+    )
     return module, strategy._setup_model(module)  # what Lightning calls when fit starts
 
 
@@ -253,11 +268,13 @@ def test_one_rank_wrap_units_checkpointing_and_bf16(process_group, tiny_dir, bat
     # ... and both layer kinds, only they, are activation-checkpointed.
     checkpointed = [_unwrap(m) for m in wrapped_bf.modules() if isinstance(m, CheckpointWrapper)]
     assert sorted(type(m).__name__ for m in checkpointed) == sorted(
-        [talker_layer.__name__] * 2 + [predictor_layer.__name__] * 2)
+        [talker_layer.__name__] * 2 + [predictor_layer.__name__] * 2
+    )
 
     computed = []
     hook = module_bf.talker.model.layers[0].register_forward_hook(
-        lambda m, i, o: computed.append((o[0] if isinstance(o, tuple) else o).dtype))
+        lambda m, i, o: computed.append((o[0] if isinstance(o, tuple) else o).dtype)
+    )
     with torch.no_grad():
         out32, out_bf = wrapped32(batch), wrapped_bf(batch)
     hook.remove()

@@ -25,12 +25,21 @@ def finetuned(tmp_path_factory, tiny_dir, demo_data):
 
     root = tmp_path_factory.mktemp("evaluate")
     _, manifest, cache = demo_data
-    data = SpeakerClipsDataModule(str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0,
-                                  max_frames_per_batch=150)
+    data = SpeakerClipsDataModule(
+        str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0, max_frames_per_batch=150
+    )
     L.seed_everything(0)
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     with torch.no_grad():  # a speaker no batch has shown yet gets the data's embedding, as export needs
         table = data.speaker_embeddings()
@@ -50,8 +59,10 @@ def run(*args):
 def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys):
     root, ckpt, voice, cache = finetuned
     out = root / "eval-export"
-    assert run("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out,
-               "--text", TEXT, "--num-samples", 2) == 0
+    assert (
+        run("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT, "--num-samples", 2)
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads((out / "evaluation.json").read_text())
     assert result["model_kind"] == "exported directory"
@@ -91,8 +102,24 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     # The training checkpoint itself (exported on the fly, fp32 on CPU): the same audio for the same
     # seeds, and the base model named by the checkpoint.
     out_ckpt = root / "eval-ckpt"
-    assert run("--model", ckpt, "--prepared", cache / "prepared.json", "--out", out_ckpt, "--text", TEXT,
-               "--num-samples", 1, "--speaker", "bob", "--no-icl") == 0
+    assert (
+        run(
+            "--model",
+            ckpt,
+            "--prepared",
+            cache / "prepared.json",
+            "--out",
+            out_ckpt,
+            "--text",
+            TEXT,
+            "--num-samples",
+            1,
+            "--speaker",
+            "bob",
+            "--no-icl",
+        )
+        == 0
+    )
     again = json.loads((out_ckpt / "evaluation.json").read_text())
     assert again["model_kind"] == "training checkpoint" and list(again["speakers"]) == ["bob"]
     assert sorted(again["speakers"]["bob"]["generations"]) == ["fine_tuned", "zero_shot_xvector"]

@@ -20,8 +20,11 @@ SR = 24_000
 @pytest.fixture(scope="module")
 def clips():
     root = demo_dir() / "clips"
-    return {f"{v}{i}": load_audio(root / name / f"{name}_{i:03d}.flac", SR).numpy()
-            for v, name in VOICES.items() for i in range(3)}, SR
+    return {
+        f"{v}{i}": load_audio(root / name / f"{name}_{i:03d}.flac", SR).numpy()
+        for v, name in VOICES.items()
+        for i in range(3)
+    }, SR
 
 
 def test_same_voice_scores_above_another_voice(clips):
@@ -50,8 +53,12 @@ def test_accumulates_over_updates(clips):
     metric.update(wavs["a2"], [wavs["a0"], wavs["a1"]])
     metric.update({"a": [wavs["b2"]], "b": [wavs["b2"], wavs["a1"]]}, {"a": ref_a, "b": [wavs["b0"]]})
     cos = torch.nn.functional.cosine_similarity
-    expected = [cos(emb["a2"], ref_a, dim=0), cos(emb["b2"], ref_a, dim=0),
-                cos(emb["b2"], emb["b0"], dim=0), cos(emb["a1"], emb["b0"], dim=0)]
+    expected = [
+        cos(emb["a2"], ref_a, dim=0),
+        cos(emb["b2"], ref_a, dim=0),
+        cos(emb["b2"], emb["b0"], dim=0),
+        cos(emb["a1"], emb["b0"], dim=0),
+    ]
     assert int(metric.count) == 4
     assert float(metric.compute()) == pytest.approx(float(torch.stack(expected).mean()), abs=1e-5)
     metric.reset()

@@ -90,7 +90,7 @@ class ForceEos(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if torch.isfinite(scores[:, self.eos]).all():
             scores[:, : self.eos] = float("-inf")
-            scores[:, self.eos + 1:] = float("-inf")
+            scores[:, self.eos + 1 :] = float("-inf")
         return scores
 
 
@@ -121,8 +121,10 @@ def test_end_of_speech_failure_is_counted_when_the_model_cannot_stop(tiny_dir):
 
         talker.generate = generate
         try:
-            return [generate_codes(model, [i], e[None], max_new_tokens=max_new_tokens_for(limit), seed=0)[0]
-                    for i, e, limit in zip(ids, embeddings, limits)]
+            return [
+                generate_codes(model, [i], e[None], max_new_tokens=max_new_tokens_for(limit), seed=0)[0]
+                for i, e, limit in zip(ids, embeddings, limits)
+            ]
         finally:
             del talker.generate
 

@@ -28,8 +28,9 @@ class _Force(LogitsProcessor):
         return forced
 
 
-def official_forced_nll(model, text_ids: list[int], codes: torch.Tensor, speaker_embedding: torch.Tensor,
-                        language: str = "Auto") -> tuple[torch.Tensor, torch.Tensor]:
+def official_forced_nll(
+    model, text_ids: list[int], codes: torch.Tensor, speaker_embedding: torch.Tensor, language: str = "Auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NLL per talker target (T+1: code 0 of each frame, then eos) and per code-predictor target
     (T, G-1), as the official generation path assigns them to ``codes`` (T, G)."""
     talker = model.talker
@@ -44,8 +45,12 @@ def official_forced_nll(model, text_ids: list[int], codes: torch.Tensor, speaker
         k = len(predictor_logits)
         for a in _SAMPLING_ARGS:
             kwargs.pop(a, None)
-        kwargs.update(do_sample=False, output_logits=True, return_dict_in_generate=True,
-                      logits_processor=LogitsProcessorList([_Force(codes[k, 1:].tolist())]))
+        kwargs.update(
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([_Force(codes[k, 1:].tolist())]),
+        )
         out = original_predictor_generate(*args, **kwargs)
         predictor_logits.append(torch.stack(out.logits, dim=1)[0])
         return out
@@ -53,8 +58,12 @@ def official_forced_nll(model, text_ids: list[int], codes: torch.Tensor, speaker
     def talker_generate(*args, **kwargs):
         for a in _SAMPLING_ARGS:
             kwargs.pop(a, None)
-        kwargs.update(max_new_tokens=T + 1, do_sample=False, output_logits=True,
-                      logits_processor=LogitsProcessorList([_Force(codes[:, 0].tolist() + [eos])]))
+        kwargs.update(
+            max_new_tokens=T + 1,
+            do_sample=False,
+            output_logits=True,
+            logits_processor=LogitsProcessorList([_Force(codes[:, 0].tolist() + [eos])]),
+        )
         out = original_talker_generate(*args, **kwargs)
         recorded["talker"] = torch.stack(out.logits, dim=1)[0]
         return out
@@ -66,8 +75,12 @@ def official_forced_nll(model, text_ids: list[int], codes: torch.Tensor, speaker
             input_ids=[torch.tensor([text_ids])],
             languages=[language],
             non_streaming_mode=True,
-            voice_clone_prompt={"ref_spk_embedding": [speaker_embedding], "x_vector_only_mode": [True],
-                                "icl_mode": [False], "ref_code": None},
+            voice_clone_prompt={
+                "ref_spk_embedding": [speaker_embedding],
+                "x_vector_only_mode": [True],
+                "icl_mode": [False],
+                "ref_code": None,
+            },
             subtalker_dosample=False,
             do_sample=False,
         )

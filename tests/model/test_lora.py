@@ -48,8 +48,12 @@ def test_zero_init_parity_and_deterministic_adapters(tiny_dir, batch):
         assert (value.abs().sum() > 0) == (".lora_A." in name), name
     # The base weights are the pretrained ones, at peft's new names.
     name = "talker.model.layers.0.self_attn.q_proj"
-    torch.testing.assert_close(lora.model.get_parameter(f"{name}.base_layer.weight"),
-                               base.model.get_parameter(f"{name}.weight"), atol=0, rtol=0)
+    torch.testing.assert_close(
+        lora.model.get_parameter(f"{name}.base_layer.weight"),
+        base.model.get_parameter(f"{name}.weight"),
+        atol=0,
+        rtol=0,
+    )
     assert lora.hparams.adapter == LoRASettings(**ADAPTER).to_dict()  # plain data in checkpoints
 
 

@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from forced_generation import official_forced_nll
+
 from tts_lightning import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.loss import (
@@ -36,11 +36,16 @@ def setup(tiny_dir, tmp_path_factory):
         src = demo_dir() / "clips" / clip
         shutil.copy(src.with_suffix(".flac"), root / f"{speaker}.flac")
         text = src.with_suffix(".txt").read_text().strip()
-        lines.append(json.dumps({"audio": f"{speaker}.flac", "text": text, "speaker": speaker,
-                                 "language": language}))
+        lines.append(json.dumps({"audio": f"{speaker}.flac", "text": text, "speaker": speaker, "language": language}))
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
-    data = SpeakerClipsDataModule(pretrained=str(tiny_dir), train_manifest=str(root / "train.jsonl"),
-                                  val_fraction=0.0, batch_size=2, max_frames_per_batch=None, seed=0)
+    data = SpeakerClipsDataModule(
+        pretrained=str(tiny_dir),
+        train_manifest=str(root / "train.jsonl"),
+        val_fraction=0.0,
+        batch_size=2,
+        max_frames_per_batch=None,
+        seed=0,
+    )
     data.prepare_data()
     data.setup("fit")
     (batch,) = list(data.train_dataloader())

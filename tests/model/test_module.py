@@ -40,10 +40,18 @@ def test_every_head_gets_gradient_and_frozen_parts_none(tiny_dir, examples):
         assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0, f"head {j}"
     for j, emb in enumerate(module.talker.code_predictor.model.codec_embedding[:14]):
         assert emb.weight.grad.abs().sum() > 0, f"predictor embedding {j}"
-    for name in ("talker.text_projection.linear_fc1.weight", "talker.codec_head.weight",
-                 "talker.model.codec_embedding.weight", "talker.model.layers.0.self_attn.q_proj.weight"):
+    for name in (
+        "talker.text_projection.linear_fc1.weight",
+        "talker.codec_head.weight",
+        "talker.model.codec_embedding.weight",
+        "talker.model.layers.0.self_attn.q_proj.weight",
+    ):
         assert module.model.get_parameter(name).grad.abs().sum() > 0, name
-    frozen = [(n, p) for n, p in module.model.named_parameters() if n.startswith(("speaker_encoder", "talker.model.text_embedding"))]
+    frozen = [
+        (n, p)
+        for n, p in module.model.named_parameters()
+        if n.startswith(("speaker_encoder", "talker.model.text_embedding"))
+    ]
     assert frozen and all(not p.requires_grad and p.grad is None for _, p in frozen)
     assert all(p.dtype == torch.float32 for p in module.model.parameters())
 
@@ -56,7 +64,9 @@ def test_loss_invariant_to_padding(tiny_dir, examples):
         padded = module(collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad))
     assert sequences[1].text_ids.shape[0] > sequences[0].text_ids.shape[0]  # the first one is padded
     torch.testing.assert_close(padded.talker_nll[padded.talker_example == 0], alone.talker_nll, atol=1e-5, rtol=0)
-    torch.testing.assert_close(padded.predictor_nll[padded.predictor_example == 0], alone.predictor_nll, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        padded.predictor_nll[padded.predictor_example == 0], alone.predictor_nll, atol=1e-5, rtol=0
+    )
 
 
 def test_memorises_one_clip(tiny_dir, examples):

@@ -27,9 +27,17 @@ def official_prefill(model, text_ids, speaker_embedding, language):
 
     model.talker.generate = capture
     try:
-        model.generate(input_ids=[torch.tensor([text_ids])], languages=[language], non_streaming_mode=True,
-                       voice_clone_prompt={"ref_spk_embedding": [speaker_embedding], "x_vector_only_mode": [True],
-                                           "icl_mode": [False], "ref_code": None})
+        model.generate(
+            input_ids=[torch.tensor([text_ids])],
+            languages=[language],
+            non_streaming_mode=True,
+            voice_clone_prompt={
+                "ref_spk_embedding": [speaker_embedding],
+                "x_vector_only_mode": [True],
+                "icl_mode": [False],
+                "ref_code": None,
+            },
+        )
     except _Captured:
         pass
     finally:

@@ -23,10 +23,18 @@ def _digests(path):
 
 
 def test_layout_and_size(tiny_dir):
-    for name in ("config.json", "model.safetensors", "generation_config.json", "vocab.json",
-                 "merges.txt", "tokenizer_config.json", "preprocessor_config.json",
-                 "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
-                 "speech_tokenizer/preprocessor_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "speech_tokenizer/config.json",
+        "speech_tokenizer/model.safetensors",
+        "speech_tokenizer/preprocessor_config.json",
+    ):
         assert (tiny_dir / name).is_file(), name
     total = sum(p.stat().st_size for p in tiny_dir.rglob("*") if p.is_file())
     assert total < 20 * 1024 * 1024
@@ -121,7 +129,9 @@ def test_second_call_reuses_directory(tiny_dir):
 def test_cli_builds(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "tts_lightning", "tiny-model", str(tmp_path / "m"), "--seed", "3"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     assert out.strip().endswith(str(tmp_path / "m"))
     assert (tmp_path / "m" / "speech_tokenizer" / "model.safetensors").is_file()

@@ -21,9 +21,9 @@ memory, copies them into a plain model in the run's compute dtype on its device 
 bf16-mixed: 3.6 GiB for the 1.7B, never the 7.2 GiB fp32 model) and generates with it, with no
 collective inside generation; the copy is freed before the speech tokenizer, kept in host memory,
 visits the GPU to decode. Then every rank takes part in one broadcast of rank 0's result and logs
-the same key, so the metric's epoch-end reduction is entered by all ranks. Nothing collective depends on what rank 0 generated, so ranks
-cannot fall out of step; if generation fails on rank 0 the failure is broadcast and every rank
-raises instead of waiting.
+the same key, so the metric's epoch-end reduction is entered by all ranks. Nothing collective
+depends on what rank 0 generated, so ranks cannot fall out of step; if generation fails on rank 0
+the failure is broadcast and every rank raises instead of waiting.
 """
 
 from __future__ import annotations
@@ -193,8 +193,11 @@ class SpeakerSamplesCallback(Callback):
         return self._generate_state_key(every_n_val_epochs=self.every_n_val_epochs, texts=self.texts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"validation_runs": self.validation_runs, "baseline_values": self.baseline_values,
-                "below_baseline": self.below_baseline}
+        return {
+            "validation_runs": self.validation_runs,
+            "baseline_values": self.baseline_values,
+            "below_baseline": self.below_baseline,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validation_runs = int(state_dict.get("validation_runs", 0))
@@ -262,8 +265,9 @@ class SpeakerSamplesCallback(Callback):
             )
             trainer.should_stop = True
 
-    def _sample_collectively(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list,
-                             scoring: bool, *, baseline: bool) -> dict[str, float | None] | None:
+    def _sample_collectively(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list, scoring: bool, *, baseline: bool
+    ) -> dict[str, float | None] | None:
         """Collective on all ranks: rank 0 generates, logs and scores; every rank returns rank 0's
         metric values (None when nothing was sampled)."""
         values: dict[str, float | None] | None = None
@@ -313,8 +317,13 @@ class SpeakerSamplesCallback(Callback):
         try:
             with torch.no_grad():
                 codes = generate_codes(
-                    model, text_ids, row_embeddings, languages, max_new_tokens=max_new_tokens_for(max(limits)),
-                    seed=self.seed, dtype=model.talker.get_input_embeddings().weight.dtype,
+                    model,
+                    text_ids,
+                    row_embeddings,
+                    languages,
+                    max_new_tokens=max_new_tokens_for(max(limits)),
+                    seed=self.seed,
+                    dtype=model.talker.get_input_embeddings().weight.dtype,
                 )
         finally:
             for module, training in modes.items():
@@ -322,14 +331,24 @@ class SpeakerSamplesCallback(Callback):
         failures = [hit_frame_limit(c.shape[0], limit) for c, limit in zip(codes, limits)]
         return rows, [c[:limit] for c, limit in zip(codes, limits)], failures
 
-    def _log_and_score(self, trainer: pl.Trainer, pl_module: pl.LightningModule, generated: tuple,
-                       loggers: list, scoring: bool, *, baseline: bool = False) -> dict[str, float | None]:
+    def _log_and_score(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        generated: tuple,
+        loggers: list,
+        scoring: bool,
+        *,
+        baseline: bool = False,
+    ) -> dict[str, float | None]:
         rows, codes, failures = generated
         speech_tokenizer = self._speech_tokenizer(pl_module)
         with speech_tokenizer_on(speech_tokenizer, pl_module.device):
             wavs = decode_codes(speech_tokenizer, codes)
         step = int(trainer.global_step)
-        samples, spectrograms = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
+        samples, spectrograms = (
+            ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
+        )
         for logger in loggers:
             writer = logger.experiment
             for i, text in enumerate(self.texts):
@@ -337,8 +356,12 @@ class SpeakerSamplesCallback(Callback):
             for (speaker, i), wav in zip(rows, wavs):
                 if wav.size == 0:
                     continue
-                writer.add_audio(f"{samples}/{speaker}/{i}", torch.from_numpy(np.clip(wav, -1.0, 1.0))[None],
-                                 step, sample_rate=SAMPLE_RATE)
+                writer.add_audio(
+                    f"{samples}/{speaker}/{i}",
+                    torch.from_numpy(np.clip(wav, -1.0, 1.0))[None],
+                    step,
+                    sample_rate=SAMPLE_RATE,
+                )
                 writer.add_image(f"{spectrograms}/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
             writer.flush()
         values = {
@@ -384,8 +407,11 @@ class SpeakerSamplesCallback(Callback):
                 name = f"{BASELINE_PREFIX}speaker_similarity" if baseline else METRIC_NAME
                 logger.experiment.add_scalar(f"{name}/{speaker}", float(one.compute()), step)
         if int(overall.count) == 0:
-            self._warn_once("no-score", "SpeakerSamplesCallback: no sample could be scored (no reference clips "
-                            "or only empty audio); val/speaker_similarity is not logged")
+            self._warn_once(
+                "no-score",
+                "SpeakerSamplesCallback: no sample could be scored (no reference clips "
+                "or only empty audio); val/speaker_similarity is not logged",
+            )
             return None
         return float(overall.compute())
 
@@ -396,8 +422,11 @@ class SpeakerSamplesCallback(Callback):
         found = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if not found:
             names = ", ".join(type(lg).__name__ for lg in trainer.loggers) or "none"
-            self._warn_once("logger", f"SpeakerSamplesCallback logs audio and spectrograms to TensorBoard only; "
-                                      f"the trainer has no TensorBoardLogger (loggers: {names}), so none are logged")
+            self._warn_once(
+                "logger",
+                f"SpeakerSamplesCallback logs audio and spectrograms to TensorBoard only; "
+                f"the trainer has no TensorBoardLogger (loggers: {names}), so none are logged",
+            )
         return found
 
     def _similarity_available(self) -> bool:
@@ -453,12 +482,16 @@ class SpeakerSamplesCallback(Callback):
                 pass
         wanted = names if self.speakers is None else [s for s in self.speakers if s in names]
         if self.speakers is not None and len(wanted) != len(self.speakers):
-            self._warn_once("unknown", f"SpeakerSamplesCallback: speakers {sorted(set(self.speakers) - set(names))} "
-                                       f"are not in this run ({names})")
+            self._warn_once(
+                "unknown",
+                f"SpeakerSamplesCallback: speakers {sorted(set(self.speakers) - set(names))} "
+                f"are not in this run ({names})",
+            )
         keep = [s for s in wanted if bool(table[names.index(s)].abs().sum() > 0)]
         if len(keep) != len(wanted):
-            self._warn_once("empty", f"SpeakerSamplesCallback: no embedding yet for {sorted(set(wanted) - set(keep))}; "
-                                     "not sampled")
+            self._warn_once(
+                "empty", f"SpeakerSamplesCallback: no embedding yet for {sorted(set(wanted) - set(keep))}; not sampled"
+            )
         return keep, torch.stack([table[names.index(s)] for s in keep]) if keep else table[:0]
 
     def _language(self, trainer: pl.Trainer, speaker: str) -> str:
@@ -476,8 +509,11 @@ class SpeakerSamplesCallback(Callback):
             index = self._prepared_index(trainer)
             entry = next((s for s in (index or {}).get("speakers", []) if s.get("name") == speaker), None)
             if not entry or not entry.get("references"):
-                self._warn_once(f"refs-{speaker}", f"SpeakerSamplesCallback: no reference clips for {speaker!r} "
-                                                   "(trainer.datamodule.read_index() gives none); not scored")
+                self._warn_once(
+                    f"refs-{speaker}",
+                    f"SpeakerSamplesCallback: no reference clips for {speaker!r} "
+                    "(trainer.datamodule.read_index() gives none); not scored",
+                )
                 return None
             from tts_lightning.data.audio import load_audio
             from tts_lightning.metrics.speaker_similarity import reference_embedding
@@ -501,11 +537,20 @@ class SpeakerSamplesCallback(Callback):
                 from tts_lightning.metrics.speech import seconds_per_character
 
                 try:
-                    pace = seconds_per_character([load_audio(c["audio"], SAMPLE_RATE).numpy() for c in chosen],
-                                                 [c["text"] for c in chosen], SAMPLE_RATE) or None
+                    pace = (
+                        seconds_per_character(
+                            [load_audio(c["audio"], SAMPLE_RATE).numpy() for c in chosen],
+                            [c["text"] for c in chosen],
+                            SAMPLE_RATE,
+                        )
+                        or None
+                    )
                 except (OSError, ValueError, RuntimeError) as exc:
-                    self._warn_once(f"pace-{speaker}", f"SpeakerSamplesCallback: cannot measure {speaker!r}'s pace "
-                                                       f"({exc}); its samples are capped by max_new_tokens only")
+                    self._warn_once(
+                        f"pace-{speaker}",
+                        f"SpeakerSamplesCallback: cannot measure {speaker!r}'s pace "
+                        f"({exc}); its samples are capped by max_new_tokens only",
+                    )
             self._paces[speaker] = pace
         return self._paces[speaker]
 

@@ -81,7 +81,9 @@ def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.Pa
     return outer.hexdigest()[:_ID_LENGTH]
 
 
-def memoized_by_stat(memo_path: str | os.PathLike, name: str, files: Sequence[str | os.PathLike], compute: Callable[[], str]) -> str:
+def memoized_by_stat(
+    memo_path: str | os.PathLike, name: str, files: Sequence[str | os.PathLike], compute: Callable[[], str]
+) -> str:
     """``compute()``, remembered in ``memo_path`` under ``name`` for as long as ``files`` keep
     their size and modification time."""
     memo_file = Path(memo_path)

@@ -29,7 +29,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,7 +41,6 @@ from torch.utils.data import DataLoader, Sampler
 
 from tts_lightning.data.batching import LengthBucketBatchSampler
 from tts_lightning.data.codec_cache import CodecCache
-from tts_lightning.files import atomic_write_json
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
 from tts_lightning.data.progress import EncodeProgress
@@ -52,6 +51,7 @@ from tts_lightning.data.speakers import (
 )
 from tts_lightning.data.subtitles import cut_subtitled, subtitle_speakers
 from tts_lightning.data.validation import AcceptedClip, ValidationConfig, ValidationReport, validate_clips
+from tts_lightning.files import atomic_write_json
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_text
 
@@ -216,32 +216,32 @@ class SpeakerClipsDataModule(LightningDataModule):
         self,
         pretrained: str,
         train_manifest: str,
-        val_manifest: Optional[str] = None,
+        val_manifest: str | None = None,
         val_fraction: float = 0.1,
-        cache_dir: Optional[str] = None,
-        speakers: Optional[list[str]] = None,
+        cache_dir: str | None = None,
+        speakers: list[str] | None = None,
         default_speaker: str = "speaker",
-        language: Optional[str] = None,
-        max_frames_per_batch: Optional[int] = 2000,
-        batch_size: Optional[int] = None,
+        language: str | None = None,
+        max_frames_per_batch: int | None = 2000,
+        batch_size: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
         min_duration: float = 0.5,
         max_duration: float = 30.0,
-        manifest_encoding: Optional[str] = None,
+        manifest_encoding: str | None = None,
         max_clipped_fraction: float = 0.001,
         clipped_action: Literal["reject", "flag"] = "reject",
         max_rate_zscore: float = 3.5,
         mismatch_action: Literal["reject", "flag"] = "reject",
         subtitle_target_seconds: float = 10.0,
-        normalize: Optional[Literal["peak", "rms"]] = None,
+        normalize: Literal["peak", "rms"] | None = None,
         trim_silence: bool = False,
         num_reference_clips: int = 3,
         encode_batch_size: int = 8,
-        prepare_device: Optional[str] = None,
-        predict_texts: Optional[list[str]] = None,
-        predict_texts_file: Optional[str] = None,
-        predict_speakers: Optional[list[str]] = None,
+        prepare_device: str | None = None,
+        predict_texts: list[str] | None = None,
+        predict_texts_file: str | None = None,
+        predict_speakers: list[str] | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -408,10 +408,17 @@ class SpeakerClipsDataModule(LightningDataModule):
 
             cache = self._codec_cache()
             cache.verify(plan.clips)
-            encoded = encode_with_ray(cache, plan.clips, num_workers=ray_workers,
-                                      batch_size=self.hparams.encode_batch_size, address=ray_address)
-            rank_zero_info(f"codec cache: {encoded} clip(s) encoded on {ray_workers} Ray worker(s), "
-                           f"{len(plan.clips) - encoded} already cached ({self.cache_dir})")
+            encoded = encode_with_ray(
+                cache,
+                plan.clips,
+                num_workers=ray_workers,
+                batch_size=self.hparams.encode_batch_size,
+                address=ray_address,
+            )
+            rank_zero_info(
+                f"codec cache: {encoded} clip(s) encoded on {ray_workers} Ray worker(s), "
+                f"{len(plan.clips) - encoded} already cached ({self.cache_dir})"
+            )
         else:
             self._encode(plan.clips)
         self._write_index(plan)
@@ -454,7 +461,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         info = self.pretrained_info
         ids = SpecialIds.from_config(info.config)
         config = self._validation_config(
-            h.min_duration, h.max_duration, h.max_clipped_fraction, h.clipped_action, h.max_rate_zscore,
+            h.min_duration,
+            h.max_duration,
+            h.max_clipped_fraction,
+            h.clipped_action,
+            h.max_rate_zscore,
             h.mismatch_action,
         )
         cache = self._codec_cache()
@@ -472,8 +483,12 @@ class SpeakerClipsDataModule(LightningDataModule):
             for c in val.accepted:
                 if c.content_hash in in_train:
                     val.rejected.append(
-                        Rejection(c.record.source, str(c.record.audio), "duplicate",
-                                  f"same audio content as training clip {in_train[c.content_hash]}")
+                        Rejection(
+                            c.record.source,
+                            str(c.record.audio),
+                            "duplicate",
+                            f"same audio content as training clip {in_train[c.content_hash]}",
+                        )
                     )
                 else:
                     kept.append(c)
@@ -541,7 +556,10 @@ class SpeakerClipsDataModule(LightningDataModule):
     def _codec_cache(self, device: str | None = None) -> CodecCache:
         h = self.hparams
         return CodecCache(
-            self.cache_dir, self.pretrained_info, normalize=h.normalize, trim_silence=h.trim_silence,
+            self.cache_dir,
+            self.pretrained_info,
+            normalize=h.normalize,
+            trim_silence=h.trim_silence,
             device=device or h.prepare_device,
         )
 
@@ -567,7 +585,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         clips, speakers, val_hashes, languages = plan.clips, plan.speakers, plan.val_hashes, plan.languages
         references = select_references(clips, speakers, h.num_reference_clips)
         table = compute_speaker_table(
-            cache_dir, info, references, normalize=h.normalize, trim_silence=h.trim_silence,
+            cache_dir,
+            info,
+            references,
+            normalize=h.normalize,
+            trim_silence=h.trim_silence,
             device=h.prepare_device or "cpu",
         )
 
@@ -613,7 +635,9 @@ class SpeakerClipsDataModule(LightningDataModule):
         h = self.hparams
         manifest = load_manifest(path, h.default_speaker, h.manifest_encoding)
         return cut_subtitled(
-            manifest, self.cache_dir / "segments", target_seconds=h.subtitle_target_seconds,
+            manifest,
+            self.cache_dir / "segments",
+            target_seconds=h.subtitle_target_seconds,
             encoding=h.manifest_encoding,
         )
 
@@ -662,12 +686,12 @@ class SpeakerClipsDataModule(LightningDataModule):
         """prepared.json, checked against this data module's settings."""
         path = self.prepared_path
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found: run prepare_data() (or `tts-lightning prepare`) before setup()"
-            )
+            raise FileNotFoundError(f"{path} not found: run prepare_data() (or `tts-lightning prepare`) before setup()")
         index = json.loads(path.read_text(encoding="utf-8"))
         if index.get("version") != PREPARED_VERSION:
-            raise RuntimeError(f"{path} has format version {index.get('version')}, expected {PREPARED_VERSION}; run prepare again")
+            raise RuntimeError(
+                f"{path} has format version {index.get('version')}, expected {PREPARED_VERSION}; run prepare again"
+            )
         ours, theirs = self._settings(), index.get("settings", {})
         diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in ours.items() if theirs.get(k) != v]
         if diff:
@@ -792,8 +816,11 @@ class SpeakerClipsDataModule(LightningDataModule):
             raise ValueError(f"predict_speakers {unknown} are not speakers of this run {self.speaker_names}")
         world, rank = self._replicas()
         dataset = TextsDataset(
-            read_texts(h.predict_texts, h.predict_texts_file), speakers,
-            languages=h.language or speaker_languages(self._index), num_replicas=world, rank=rank,
+            read_texts(h.predict_texts, h.predict_texts_file),
+            speakers,
+            languages=h.language or speaker_languages(self._index),
+            num_replicas=world,
+            rank=rank,
         )
         return DataLoader(dataset, batch_size=h.batch_size or 8, collate_fn=collate_texts)
 

@@ -44,7 +44,9 @@ class SpeakerClipsDataset(Dataset):
         self.with_speaker = with_speaker
         # Prefill lengths depend only on the text and language; computed once for the sampler.
         self._prefill = [
-            build_sequence(ids, list(it.text_ids), None, language=it.language, with_speaker=with_speaker).text_ids.shape[0]
+            build_sequence(
+                ids, list(it.text_ids), None, language=it.language, with_speaker=with_speaker
+            ).text_ids.shape[0]
             for it in self.items
         ]
 

@@ -42,7 +42,14 @@ class ManifestEncodingError(ValueError):
     """A manifest (or transcript) file is not text in the expected encoding."""
 
     def __init__(self, path: Path, encoding: str, line: int, column: int, offset: int, byte: int) -> None:
-        self.path, self.encoding, self.line, self.column, self.offset, self.byte = path, encoding, line, column, offset, byte
+        self.path, self.encoding, self.line, self.column, self.offset, self.byte = (
+            path,
+            encoding,
+            line,
+            column,
+            offset,
+            byte,
+        )
         super().__init__(
             f"{path}: line {line} is not valid {encoding}: byte 0x{byte:02x} at byte offset {offset} "
             f"(byte {column} of the line). Re-save the file as UTF-8, or pass its encoding "
@@ -70,7 +77,11 @@ def read_text(path: str | os.PathLike, encoding: str | None = None) -> str:
     except UnicodeDecodeError as exc:
         line_start = data.rfind(b"\n", 0, exc.start) + 1
         raise ManifestEncodingError(
-            path, encoding, data.count(b"\n", 0, exc.start) + 1, exc.start - line_start + 1, exc.start,
+            path,
+            encoding,
+            data.count(b"\n", 0, exc.start) + 1,
+            exc.start - line_start + 1,
+            exc.start,
             data[exc.start],
         ) from None
 
@@ -159,9 +170,7 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
-            rejected.append(
-                Rejection(source, None, "malformed_entry", f"invalid JSON: {exc.msg} (column {exc.colno})")
-            )
+            rejected.append(Rejection(source, None, "malformed_entry", f"invalid JSON: {exc.msg} (column {exc.colno})"))
             continue
         if not isinstance(entry, dict):
             rejected.append(Rejection(source, None, "malformed_entry", "line is not a JSON object"))
@@ -268,7 +277,9 @@ def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: st
             continue
         clip_id = cols[0].strip()
         if not clip_id:
-            rejected.append(Rejection(source, None, "malformed_entry", f"{path}:{lineno}: empty clip id in first column"))
+            rejected.append(
+                Rejection(source, None, "malformed_entry", f"{path}:{lineno}: empty clip id in first column")
+            )
             continue
         text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
         audio = wavs / f"{clip_id}.wav"
@@ -299,8 +310,13 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
         subtitles = None if txt.is_file() else subtitles_for(audio)
         if subtitles is not None:
             records.append(
-                ClipRecord(audio=Path(_normpath(audio)), text="", speaker=speaker, source=source,
-                           subtitles=Path(_normpath(subtitles)))
+                ClipRecord(
+                    audio=Path(_normpath(audio)),
+                    text="",
+                    speaker=speaker,
+                    source=source,
+                    subtitles=Path(_normpath(subtitles)),
+                )
             )
             continue
         if not txt.is_file():

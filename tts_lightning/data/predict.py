@@ -129,7 +129,9 @@ class PredictionWriter(BasePredictionWriter):
     def path_for(self, prediction: Mapping[str, Any]) -> Path:
         return self.output_dir / f"{_safe(prediction['id'])}_{_safe(prediction['speaker'])}.wav"
 
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx) -> None:
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
+    ) -> None:
         import soundfile as sf
 
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -108,14 +108,23 @@ def prepare_command(argv: list[str]) -> int:
         "before training (`fit` does the same, skipping what is already cached).",
     )
     parser.add_argument("--config", type=str, help="a LightningCLI YAML; its data: section is used")
-    parser.add_argument("--verify", action="store_true",
-                        help="read back every cached codes file (shape, dtype, codebook range) and "
-                        "encode the bad ones again")
-    parser.add_argument("--ray.num_workers", type=int, default=0,
-                        help="encode the codes on this many Ray Data workers (0: in this process); "
-                        "needs the ray extra")
-    parser.add_argument("--ray.address", type=str, default="local",
-                        help="'local' starts Ray on this machine; 'auto' or an address joins a cluster")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="read back every cached codes file (shape, dtype, codebook range) and encode the bad ones again",
+    )
+    parser.add_argument(
+        "--ray.num_workers",
+        type=int,
+        default=0,
+        help="encode the codes on this many Ray Data workers (0: in this process); needs the ray extra",
+    )
+    parser.add_argument(
+        "--ray.address",
+        type=str,
+        default="local",
+        help="'local' starts Ray on this machine; 'auto' or an address joins a cluster",
+    )
     parser.add_class_arguments(SpeakerClipsDataModule, "data")
     names = set(inspect.signature(SpeakerClipsDataModule.__init__).parameters) - {"self"}
     argv = _qualify_flags(list(argv), names)

@@ -25,12 +25,20 @@ INSTALL_HINT = "pip install 'tts-lightning[ray]'"
 class _Encoder:
     """One per Ray worker: the speech tokenizer, loaded once, encoding batches of rows."""
 
-    def __init__(self, cache_dir: str, pretrained: str, normalize: str | None, trim_silence: bool,
-                 device: str | None, batch_size: int) -> None:
+    def __init__(
+        self,
+        cache_dir: str,
+        pretrained: str,
+        normalize: str | None,
+        trim_silence: bool,
+        device: str | None,
+        batch_size: int,
+    ) -> None:
         from tts_lightning.model.pretrained import check_pretrained
 
-        self.cache = CodecCache(cache_dir, check_pretrained(pretrained), normalize=normalize,
-                                trim_silence=trim_silence, device=device)
+        self.cache = CodecCache(
+            cache_dir, check_pretrained(pretrained), normalize=normalize, trim_silence=trim_silence, device=device
+        )
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -71,8 +79,14 @@ def encode_with_ray(
         path = cache.path(c)
         if c.record.audio_codes is None and path not in seen and not cache.is_cached(c):
             seen.add(path)
-            rows.append({"audio": str(c.record.audio), "source": c.record.source, "duration": c.duration,
-                         "content_hash": c.content_hash})
+            rows.append(
+                {
+                    "audio": str(c.record.audio),
+                    "source": c.record.source,
+                    "duration": c.duration,
+                    "content_hash": c.content_hash,
+                }
+            )
     if not rows:
         return 0
     started = not ray.is_initialized()
@@ -81,8 +95,12 @@ def encode_with_ray(
         if address == "local":
             init["num_cpus"] = max(os.cpu_count() or 1, num_workers)
             path = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-            init["runtime_env"] = {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
-                                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}}
+            init["runtime_env"] = {
+                "env_vars": {
+                    "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                }
+            }
         ray.init(**init)
     try:
         context = ray.data.DataContext.get_current()
@@ -91,8 +109,11 @@ def encode_with_ray(
         encoded = dataset.map_batches(
             _Encoder,
             fn_constructor_kwargs={
-                "cache_dir": str(cache.cache_dir), "pretrained": str(cache.info.path), "normalize": cache.normalize,
-                "trim_silence": cache.trim_silence, "device": None if cache.device is None else str(cache.device),
+                "cache_dir": str(cache.cache_dir),
+                "pretrained": str(cache.info.path),
+                "normalize": cache.normalize,
+                "trim_silence": cache.trim_silence,
+                "device": None if cache.device is None else str(cache.device),
                 "batch_size": batch_size,
             },
             batch_size=batch_size,

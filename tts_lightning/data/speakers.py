@@ -33,8 +33,8 @@ from torch import Tensor
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
 from tts_lightning.data.codec_cache import memoized_by_stat
-from tts_lightning.files import atomic_write, sha256_file
 from tts_lightning.data.validation import AcceptedClip
+from tts_lightning.files import atomic_write, sha256_file
 from tts_lightning.model.pretrained import PretrainedInfo, load_config, load_state_dict
 
 logger = logging.getLogger(__name__)

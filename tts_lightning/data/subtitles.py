@@ -81,7 +81,7 @@ def _clean(lines: list[str]) -> tuple[str, str | None]:
         prefix = _NAME_PREFIX.match(text)
         if prefix:
             speaker = prefix.group(1).strip()
-            text = text[prefix.end():].strip()
+            text = text[prefix.end() :].strip()
     return text, speaker
 
 
@@ -235,7 +235,9 @@ def cut_subtitled(
             rejected.append(Rejection(record.source, str(record.audio), "malformed_entry", str(exc)))
             continue
         except OSError as exc:
-            rejected.append(Rejection(record.source, str(record.audio), "missing_file", f"{exc.filename}: {exc.strerror}"))
+            rejected.append(
+                Rejection(record.source, str(record.audio), "missing_file", f"{exc.filename}: {exc.strerror}")
+            )
             continue
         if not cues:
             rejected.append(Rejection(record.source, str(record.audio), "malformed_entry", f"{subs}: no cues"))

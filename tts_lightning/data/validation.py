@@ -16,7 +16,6 @@ from tts_lightning.data.audio import AudioReadError, probe_audio, read_audio, tr
 from tts_lightning.data.manifest import ClipRecord, Rejection
 from tts_lightning.files import atomic_write_json
 
-
 ACTIONS = ("reject", "flag")
 # Robust spread floor for the speaking-rate check, in natural-log units: a speaker whose clips all
 # share one rate (a TTS voice, one read-aloud session) still tolerates ~10% natural variation.
@@ -162,9 +161,7 @@ def speech_seconds(samples: torch.Tensor, sample_rate: int) -> float:
     return trim_edge_silence(mono, sample_rate).shape[-1] / sample_rate
 
 
-def _check_speaking_rates(
-    measured: list[tuple[AcceptedClip, float]], config: ValidationConfig
-) -> dict[int, str]:
+def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: ValidationConfig) -> dict[int, str]:
     """{index into measured: detail} for clips whose characters per second of speech lie outside
     the absolute limits or far (robust z-score of the log rate, median/MAD) from the speaker's."""
     rates = [count_characters(c.record.text) / max(secs, 1e-3) for c, secs in measured]

@@ -201,8 +201,11 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        stored = {k[len("model."):] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
-                  if k.startswith("model.")}
+        stored = {
+            k[len("model.") :]
+            for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            if k.startswith("model.")
+        }
         _check_trainable(module, stored, path)
         with _get_sharded_state_dict_context(self.model):
             state = self.model.state_dict()
@@ -215,9 +218,11 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
                 for idx, optim in enumerate(self.optimizers):
                     key = f"optimizer_{idx}"
                     optim_state = load_sharded_optimizer_state_dict(
-                        model_state_dict=state, optimizer_key=key, storage_reader=reader)
-                    optim.load_state_dict(FSDP.optim_state_dict_to_load(
-                        optim_state_dict=optim_state[key], model=self.model, optim=optim))
+                        model_state_dict=state, optimizer_key=key, storage_reader=reader
+                    )
+                    optim.load_state_dict(
+                        FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=self.model, optim=optim)
+                    )
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -226,9 +231,13 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
         # On CPU, FSDP's offload_to_cpu (a no-op copy there) makes the full optimizer state reuse one
         # buffer for every state of a parameter: exp_avg came out equal to exp_avg_sq and a resumed
         # run silently diverged. Gather without it.
-        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            OptimStateKeyType,
+            StateDictType,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import StateDictType
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         with FSDP.state_dict_type(
@@ -293,8 +302,10 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
 def _check_trainable(module: nn.Module, stored: set[str], path: Path) -> None:
     missing = sorted(k for k in getattr(module, "trainable_keys", ()) if k not in stored)
     if missing:
-        raise KeyError(f"{path} lacks {len(missing)} trainable tensor(s) of this run, e.g. {missing[:3]} "
-                       "(was it trained with another `adapter` setting?)")
+        raise KeyError(
+            f"{path} lacks {len(missing)} trainable tensor(s) of this run, e.g. {missing[:3]} "
+            "(was it trained with another `adapter` setting?)"
+        )
 
 
 def _with_trainable_leaves(policy):
@@ -308,7 +319,7 @@ def _with_trainable_leaves(policy):
 
     def trainable_leaf(module: nn.Module) -> bool:
         params = list(module.parameters(recurse=False))
-        return (not list(module.children()) and bool(params) and all(p.requires_grad for p in params))
+        return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)
 
     leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf)
     return functools.partial(_or_policy, policies=[leaves, policy])

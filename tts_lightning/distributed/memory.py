@@ -56,10 +56,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -255,9 +256,15 @@ def _model_shape(config_json: str, wrap: tuple[str, ...], adapter_json: str = "n
             if own_unit(child, f"{prefix}{name}"):
                 mine: list = []
                 collect(child, f"{prefix}{name}.", mine)
-                kind = "embedding" if isinstance(child, nn.Embedding) else (
-                    "layer" if "DecoderLayer" in type(child).__name__ else (
-                        "adapter" if ".lora_" in f".{prefix}{name}" else "other"))
+                kind = (
+                    "embedding"
+                    if isinstance(child, nn.Embedding)
+                    else (
+                        "layer"
+                        if "DecoderLayer" in type(child).__name__
+                        else ("adapter" if ".lora_" in f".{prefix}{name}" else "other")
+                    )
+                )
                 units.append(Unit(f"{prefix}{name}", kind, tuple(mine)))
             else:
                 collect(child, f"{prefix}{name}.", owned)
@@ -299,8 +306,9 @@ def _model_shape(config_json: str, wrap: tuple[str, ...], adapter_json: str = "n
     return ModelShape(tuple(units), dims)
 
 
-def model_shape(model: str | os.PathLike | Mapping[str, Any], wrap: Sequence[str] | None = None,
-                adapter: Any = None) -> ModelShape:
+def model_shape(
+    model: str | os.PathLike | Mapping[str, Any], wrap: Sequence[str] | None = None, adapter: Any = None
+) -> ModelShape:
     """FSDP units and activation-relevant widths of a model, from its meta-device build (with the
     LoRA adapters of ``adapter`` injected, as `Qwen3TTSModule` does)."""
     from tts_lightning.distributed.fsdp import DEFAULT_WRAP
@@ -308,8 +316,11 @@ def model_shape(model: str | os.PathLike | Mapping[str, Any], wrap: Sequence[str
 
     _, config = resolve_config(model)
     settings = LoRASettings.coerce(adapter)
-    return _model_shape(json.dumps(config, sort_keys=True), tuple(DEFAULT_WRAP if wrap is None else wrap),
-                        json.dumps(None if settings is None else settings.to_dict(), sort_keys=True))
+    return _model_shape(
+        json.dumps(config, sort_keys=True),
+        tuple(DEFAULT_WRAP if wrap is None else wrap),
+        json.dumps(None if settings is None else settings.to_dict(), sort_keys=True),
+    )
 
 
 def count_parameters(model: str | os.PathLike | Mapping[str, Any]) -> int:
@@ -321,8 +332,15 @@ def _layer_bytes(coef: tuple[int, ...], h: int, a: int, kv: int, i: int) -> int:
     return coef[0] * h + coef[1] * a + coef[2] * kv + coef[3] * i
 
 
-def _activation_bytes(d: Mapping[str, int], positions: int, b: int, ckpt_talker: bool, ckpt_predictor: bool,
-                      frames: int | None = None, targets: int | None = None) -> tuple[int, int]:
+def _activation_bytes(
+    d: Mapping[str, int],
+    positions: int,
+    b: int,
+    ckpt_talker: bool,
+    ckpt_predictor: bool,
+    frames: int | None = None,
+    targets: int | None = None,
+) -> tuple[int, int]:
     """(activations alive at the start of backward, logits/outputs alive until the step ends).
 
     ``positions`` = padded talker positions per micro-batch (the data module's
@@ -413,10 +431,11 @@ class MemoryPlan:
         ckpt = "on" if self.activation_checkpointing else "off"
         offload = "on" if self.cpu_offload else "off"
         cdt = "bf16" if self.precision == "bf16-mixed" else "fp32"
-        frozen = ', '.join(self.freeze) or 'nothing'
+        frozen = ", ".join(self.freeze) or "nothing"
         if self.adapter is not None:
-            frozen = (f"everything but LoRA r{self.adapter['rank']}/alpha{self.adapter['alpha']:g} adapters"
-                      + (f" and {', '.join(self.adapter['trainable'])}" if self.adapter.get("trainable") else ""))
+            frozen = f"everything but LoRA r{self.adapter['rank']}/alpha{self.adapter['alpha']:g} adapters" + (
+                f" and {', '.join(self.adapter['trainable'])}" if self.adapter.get("trainable") else ""
+            )
         lines = [
             f"Qwen3-TTS memory plan: {self.model}: {self.total_parameters / 1e6:,.1f}M parameters, "
             f"{self.trainable_parameters / 1e6:,.1f}M trainable (frozen: {frozen})",
@@ -521,8 +540,9 @@ def plan_memory(
     def is_trainable(p: str) -> bool:
         if settings is None:
             return not matches(p, freeze)
-        return (is_adapter_key(p) or matches(checkpoint_key(p), settings.trainable)) \
-            and not matches(checkpoint_key(p), freeze)
+        return (is_adapter_key(p) or matches(checkpoint_key(p), settings.trainable)) and not matches(
+            checkpoint_key(p), freeze
+        )
 
     def trainable(unit: Unit) -> int:
         return sum(n for p, n in unit.params if is_trainable(p))
@@ -540,9 +560,13 @@ def plan_memory(
     params_b = 4 * math.ceil(total_params / shards)
     if settings is not None:  # the frozen base in its storage dtype (bf16 under bf16-mixed), the rest fp32
         frozen_bytes = 2 if settings.frozen_dtype(precision) == torch.bfloat16 else 4
-        params_b = 4 * math.ceil(train_params / shards) + frozen_bytes * math.ceil((total_params - train_params) / shards)
-        notes.append(f"LoRA: frozen base stored in {'bf16' if frozen_bytes == 2 else 'fp32'}, "
-                     f"adapters{' and extras' if settings.trainable else ''} in fp32 with AdamW state")
+        params_b = 4 * math.ceil(train_params / shards) + frozen_bytes * math.ceil(
+            (total_params - train_params) / shards
+        )
+        notes.append(
+            f"LoRA: frozen base stored in {'bf16' if frozen_bytes == 2 else 'fp32'}, "
+            f"adapters{' and extras' if settings.trainable else ''} in fp32 with AdamW state"
+        )
     grads_b = 4 * math.ceil(grad_numel / shards)
     optim_b = 8 * math.ceil(train_params / shards)
     host = 0
@@ -584,7 +608,11 @@ def plan_memory(
     phase_a = gathered_root + phase_a_units + acts + logits
     phase_b = gathered_root + phase_b_units + logits
     if phase_a >= phase_b:
-        phase, gathered, activations = "start of backward, activations alive", gathered_root + phase_a_units, acts + logits
+        phase, gathered, activations = (
+            "start of backward, activations alive",
+            gathered_root + phase_a_units,
+            acts + logits,
+        )
     else:
         phase, gathered, activations = "end of backward, largest unit", gathered_root + phase_b_units, logits
     persistent = params_b + grads_b + optim_b
@@ -599,8 +627,10 @@ def plan_memory(
         if not tokenizer:
             notes.append("the speech tokenizer is not counted (plan a local pretrained directory to count it)")
         samples_total = persistent + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
-        notes.append(f"samples: rank 0 gathers the fp32 weights to host memory first "
-                     f"({4 * total_params / GiB:.1f} GiB of RAM, released before generation)")
+        notes.append(
+            f"samples: rank 0 gathers the fp32 weights to host memory first "
+            f"({4 * total_params / GiB:.1f} GiB of RAM, released before generation)"
+        )
         total = max(total, samples_total)
     gpu_memory = int(gpu_memory_gb * GiB)
     plan = MemoryPlan(
@@ -641,12 +671,25 @@ def plan_memory(
     if ckpt_t != ckpt_cp:
         notes.append("activation checkpointing covers only the " + ("talker" if ckpt_t else "code predictor"))
     if advise and not plan.fits:
-        plan.advice = _advice(config, plan, dict(
-            gpus=gpus, gpu_memory_gb=gpu_memory_gb, sharding=sharding, precision=precision,
-            activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload, freeze=freeze,
-            micro_batch_frames=micro_batch_frames, auto_wrap_policy=auto_wrap_policy, samples=samples,
-            sample_rows=sample_rows, sample_frames=sample_frames,
-            adapter=None if settings is None else settings.to_dict()))
+        plan.advice = _advice(
+            config,
+            plan,
+            dict(
+                gpus=gpus,
+                gpu_memory_gb=gpu_memory_gb,
+                sharding=sharding,
+                precision=precision,
+                activation_checkpointing=activation_checkpointing,
+                cpu_offload=cpu_offload,
+                freeze=freeze,
+                micro_batch_frames=micro_batch_frames,
+                auto_wrap_policy=auto_wrap_policy,
+                samples=samples,
+                sample_rows=sample_rows,
+                sample_frames=sample_frames,
+                adapter=None if settings is None else settings.to_dict(),
+            ),
+        )
     return plan
 
 
@@ -674,22 +717,35 @@ def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
     def attempt(text: str, **change) -> bool:
         nonlocal current
         trial = plan_memory(config, **{**settings, **change}, advise=False)
-        advice.append(f"{text}: {current.total / GiB:.1f} -> {trial.total / GiB:.1f} GiB per GPU"
-                      + (" (fits)" if trial.fits else ""))
+        advice.append(
+            f"{text}: {current.total / GiB:.1f} -> {trial.total / GiB:.1f} GiB per GPU"
+            + (" (fits)" if trial.fits else "")
+        )
         settings.update(change)
         current = trial
         return trial.fits
 
     if _checkpointed(settings["activation_checkpointing"]) != (True, True) and attempt(
         "turn on activation checkpointing (strategy activation_checkpointing_policy: both "
-        "decoder-layer classes; costs ~30% more compute)", activation_checkpointing=True):
+        "decoder-layer classes; costs ~30% more compute)",
+        activation_checkpointing=True,
+    ):
         return advice
-    if settings["sharding"] != "FULL_SHARD" and settings["gpus"] > 1 and attempt(
-        "use sharding_strategy FULL_SHARD", sharding="FULL_SHARD"):
+    if (
+        settings["sharding"] != "FULL_SHARD"
+        and settings["gpus"] > 1
+        and attempt("use sharding_strategy FULL_SHARD", sharding="FULL_SHARD")
+    ):
         return advice
-    if settings.get("adapter") is None and not matches(TEXT_EMBEDDING + ".weight", settings["freeze"]) and attempt(
-        f"freeze {TEXT_EMBEDDING} (model.freeze; 311M parameters in the released models, rarely "
-        "worth training for a new voice)", freeze=settings["freeze"] + [TEXT_EMBEDDING]):
+    if (
+        settings.get("adapter") is None
+        and not matches(TEXT_EMBEDDING + ".weight", settings["freeze"])
+        and attempt(
+            f"freeze {TEXT_EMBEDDING} (model.freeze; 311M parameters in the released models, rarely "
+            "worth training for a new voice)",
+            freeze=settings["freeze"] + [TEXT_EMBEDDING],
+        )
+    ):
         return advice
     # More GPUs: an alternative, not applied to the steps that follow.
     for n in (2, 4, 8, 16, 32, 64, 128):
@@ -699,8 +755,8 @@ def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
                 advice.append(f"or use {n} GPUs with FULL_SHARD: {trial.total / GiB:.1f} GiB per GPU (fits)")
                 break
     if not settings["cpu_offload"] and attempt(
-        "turn on cpu_offload (parameters, gradients and AdamW state in host RAM; much slower steps)",
-        cpu_offload=True):
+        "turn on cpu_offload (parameters, gradients and AdamW state in host RAM; much slower steps)", cpu_offload=True
+    ):
         return advice
     lo, hi = 0, settings["micro_batch_frames"]
     while hi - lo > 1:  # the largest micro-batch that fits
@@ -710,8 +766,10 @@ def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
         else:
             hi = mid
     if lo >= 1:
-        attempt(f"lower data.max_frames_per_batch to {lo} (raise accumulate_grad_batches to keep the "
-                "global batch)", micro_batch_frames=lo)
+        attempt(
+            f"lower data.max_frames_per_batch to {lo} (raise accumulate_grad_batches to keep the global batch)",
+            micro_batch_frames=lo,
+        )
     else:
         advice.append("it does not fit even with all of the above: use GPUs with more memory")
     return advice
@@ -770,11 +828,17 @@ def plan_from_config(
     if n is None:
         raise ValueError(f"{path}: trainer.devices is {trainer.get('devices', 'auto')!r}; pass the GPU count")
     precision = str(trainer.get("precision", "32-true"))
-    precision = {"bf16-mixed": "bf16-mixed", "16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
-                 "32-true": "32-true", "32": "32-true"}.get(precision)
+    precision = {
+        "bf16-mixed": "bf16-mixed",
+        "16-mixed": "bf16-mixed",
+        "bf16": "bf16-mixed",
+        "32-true": "32-true",
+        "32": "32-true",
+    }.get(precision)
     if precision is None:
-        raise ValueError(f"{path}: trainer.precision {trainer.get('precision')!r} is not planned "
-                         "(bf16-mixed or 32-true)")
+        raise ValueError(
+            f"{path}: trainer.precision {trainer.get('precision')!r} is not planned (bf16-mixed or 32-true)"
+        )
     strategy = trainer.get("strategy", "auto")
     wrap = None
     if isinstance(strategy, Mapping):
@@ -798,8 +862,14 @@ def plan_from_config(
     if isinstance(adapter, Mapping) and isinstance(adapter.get("init_args"), Mapping):
         adapter = adapter["init_args"]
     frames = data.get("max_frames_per_batch") or 2000
-    samples = next((c for c in trainer.get("callbacks") or [] if isinstance(c, Mapping)
-                    and str(c.get("class_path", "")).endswith("SpeakerSamplesCallback")), None)
+    samples = next(
+        (
+            c
+            for c in trainer.get("callbacks") or []
+            if isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("SpeakerSamplesCallback")
+        ),
+        None,
+    )
     sample_args = dict((samples or {}).get("init_args") or {})
     return plan_memory(
         str(pretrained),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, SHARDINGS, PRESETS
+from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, PRESETS, SHARDINGS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,13 +25,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-offload", action="store_true")
-    parser.add_argument("--freeze", nargs="*", metavar="PATTERN",
-                        help=f"frozen parameter patterns (default: {' '.join(DEFAULT_FREEZE)}; "
-                             "'--freeze' alone freezes nothing)")
-    parser.add_argument("--frames", type=int, default=2000,
-                        help="padded talker positions per micro-batch (data.max_frames_per_batch)")
-    parser.add_argument("--lora-rank", type=int, metavar="R",
-                        help="plan LoRA adapters of rank R (alpha 2R, the default targets) instead of full fine-tuning")
+    parser.add_argument(
+        "--freeze",
+        nargs="*",
+        metavar="PATTERN",
+        help=f"frozen parameter patterns (default: {' '.join(DEFAULT_FREEZE)}; '--freeze' alone freezes nothing)",
+    )
+    parser.add_argument(
+        "--frames", type=int, default=2000, help="padded talker positions per micro-batch (data.max_frames_per_batch)"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="R",
+        help="plan LoRA adapters of rank R (alpha 2R, the default targets) instead of full fine-tuning",
+    )
     return parser
 
 
@@ -41,11 +49,19 @@ def plan_command(argv: list[str]) -> int:
     from tts_lightning.distributed.memory import plan_from_config, plan_memory
 
     if args.config:
-        given = [flag for flag, value, default in (
-            ("--sharding", args.sharding, "FULL_SHARD"), ("--precision", args.precision, "bf16-mixed"),
-            ("--no-activation-checkpointing", args.no_activation_checkpointing, False),
-            ("--cpu-offload", args.cpu_offload, False), ("--freeze", args.freeze, None),
-            ("--frames", args.frames, 2000), ("--lora-rank", args.lora_rank, None)) if value != default]
+        given = [
+            flag
+            for flag, value, default in (
+                ("--sharding", args.sharding, "FULL_SHARD"),
+                ("--precision", args.precision, "bf16-mixed"),
+                ("--no-activation-checkpointing", args.no_activation_checkpointing, False),
+                ("--cpu-offload", args.cpu_offload, False),
+                ("--freeze", args.freeze, None),
+                ("--frames", args.frames, 2000),
+                ("--lora-rank", args.lora_rank, None),
+            )
+            if value != default
+        ]
         if given:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
     try:
@@ -69,8 +85,10 @@ def plan_command(argv: list[str]) -> int:
         return 2
     print(plan.table())
     if plan.fits:
-        print(f"FITS: {plan.total / 2**30:.1f} GiB of {plan.gpu_memory / 2**30:.1f} GiB per GPU "
-              f"({plan.headroom / 2**30:.1f} GiB headroom)")
+        print(
+            f"FITS: {plan.total / 2**30:.1f} GiB of {plan.gpu_memory / 2**30:.1f} GiB per GPU "
+            f"({plan.headroom / 2**30:.1f} GiB headroom)"
+        )
         return 0
     print(f"DOES NOT FIT: {plan.total / 2**30:.1f} GiB needed, {plan.gpu_memory / 2**30:.1f} GiB per GPU")
     if plan.advice:

@@ -30,9 +30,10 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import ray.train
@@ -139,8 +140,7 @@ def _ray_trainer_overrides(options: RayOptions, report: Callback) -> Callable[[T
             "accelerator": "gpu" if options.use_gpu else "cpu",
             "devices": "auto",  # one process per Ray worker
             "num_nodes": 1,
-            "plugins": [p for p in init_plugins if not isinstance(p, ClusterEnvironment)]
-            + [RayLightningEnvironment()],
+            "plugins": [p for p in init_plugins if not isinstance(p, ClusterEnvironment)] + [RayLightningEnvironment()],
             # A new list: LightningCLI appends its extra callbacks to the one it is given.
             "callbacks": [*callbacks, report],
         }
@@ -330,8 +330,11 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
 
     strategy_args = strategy_init_args(cli.config["trainer"].get("strategy"))
     if strategy_args.get("state_dict_type") == "full" and not options.use_gpu:
-        warnings.warn("state_dict_type=full on CPU saves a wrong optimizer state (exp_avg == exp_avg_sq), so a "
-                      "resumed run differs; use sharded checkpoints on CPU", stacklevel=2)
+        warnings.warn(
+            "state_dict_type=full on CPU saves a wrong optimizer state (exp_avg == exp_avg_sq), so a "
+            "resumed run differs; use sharded checkpoints on CPU",
+            stacklevel=2,
+        )
     timeout = strategy_args.get("timeout")
     torch_config = TorchConfig(
         backend=strategy_args.get("process_group_backend"),
@@ -384,7 +387,8 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
         latest = latest_checkpoint(run_dir)
         raise RayFitError(
             f"training failed (max_failures={options.max_failures}): {type(exc).__name__}: {exc}",
-            run_dir=run_dir, checkpoint=latest,
+            run_dir=run_dir,
+            checkpoint=latest,
         ) from exc
     finally:
         if started:

@@ -49,31 +49,69 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     ray = parser.add_argument_group("Ray options")
-    ray.add_argument("--ray.address", dest="address", default="local",
-                     help="'local' (default): start a one-machine Ray cluster for this run; 'auto': join "
-                     "the running cluster (`ray start --head`); or an address such as ray://host:10001")
-    ray.add_argument("--ray.num_workers", dest="num_workers", type=int, default=2,
-                     help="training processes (replaces trainer.devices x trainer.num_nodes; default 2)")
-    ray.add_argument("--ray.use_gpu", dest="use_gpu", action="store_true",
-                     help="one GPU per worker, accelerator gpu, nccl (default: CPU, gloo)")
-    ray.add_argument("--ray.resources_per_worker", dest="resources_per_worker", type=_json_resources,
-                     help='JSON, e.g. \'{"CPU": 4, "GPU": 1}\' (default {"CPU": 1}, plus "GPU": 1 with --ray.use_gpu)')
-    ray.add_argument("--ray.max_failures", dest="max_failures", type=int, default=0,
-                     help="worker-group restarts allowed, each resuming from the latest checkpoint "
-                     "(default 0; -1: unlimited)")
-    ray.add_argument("--ray.storage_path", dest="storage_path",
-                     help="where Ray keeps checkpoints: a shared folder or URI such as s3://... on a "
-                     "multi-node cluster (default <trainer.default_root_dir>/ray)")
-    ray.add_argument("--ray.name", dest="name",
-                     help="run name, the folder under the storage path (default tts-lightning-<time>); "
-                     "an existing run's name resumes it")
-    ray.add_argument("--ray.checkpoint_every_n_steps", dest="checkpoint_every_n_steps", type=int, default=0,
-                     help="report a checkpoint every N optimizer steps (default 0: at each epoch end); "
-                     "always once more at the end")
-    ray.add_argument("--ray.num_to_keep", dest="num_to_keep", type=int,
-                     help="keep only the newest K reported checkpoints (default: all)")
-    parser.add_argument("--ckpt_path", help="start the first attempt from this Lightning checkpoint "
-                        "(ignored when Ray has a reported checkpoint to resume from)")
+    ray.add_argument(
+        "--ray.address",
+        dest="address",
+        default="local",
+        help="'local' (default): start a one-machine Ray cluster for this run; 'auto': join "
+        "the running cluster (`ray start --head`); or an address such as ray://host:10001",
+    )
+    ray.add_argument(
+        "--ray.num_workers",
+        dest="num_workers",
+        type=int,
+        default=2,
+        help="training processes (replaces trainer.devices x trainer.num_nodes; default 2)",
+    )
+    ray.add_argument(
+        "--ray.use_gpu",
+        dest="use_gpu",
+        action="store_true",
+        help="one GPU per worker, accelerator gpu, nccl (default: CPU, gloo)",
+    )
+    ray.add_argument(
+        "--ray.resources_per_worker",
+        dest="resources_per_worker",
+        type=_json_resources,
+        help='JSON, e.g. \'{"CPU": 4, "GPU": 1}\' (default {"CPU": 1}, plus "GPU": 1 with --ray.use_gpu)',
+    )
+    ray.add_argument(
+        "--ray.max_failures",
+        dest="max_failures",
+        type=int,
+        default=0,
+        help="worker-group restarts allowed, each resuming from the latest checkpoint (default 0; -1: unlimited)",
+    )
+    ray.add_argument(
+        "--ray.storage_path",
+        dest="storage_path",
+        help="where Ray keeps checkpoints: a shared folder or URI such as s3://... on a "
+        "multi-node cluster (default <trainer.default_root_dir>/ray)",
+    )
+    ray.add_argument(
+        "--ray.name",
+        dest="name",
+        help="run name, the folder under the storage path (default tts-lightning-<time>); "
+        "an existing run's name resumes it",
+    )
+    ray.add_argument(
+        "--ray.checkpoint_every_n_steps",
+        dest="checkpoint_every_n_steps",
+        type=int,
+        default=0,
+        help="report a checkpoint every N optimizer steps (default 0: at each epoch end); always once more at the end",
+    )
+    ray.add_argument(
+        "--ray.num_to_keep",
+        dest="num_to_keep",
+        type=int,
+        help="keep only the newest K reported checkpoints (default: all)",
+    )
+    parser.add_argument(
+        "--ckpt_path",
+        help="start the first attempt from this Lightning checkpoint "
+        "(ignored when Ray has a reported checkpoint to resume from)",
+    )
     return parser
 
 

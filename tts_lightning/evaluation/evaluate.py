@@ -89,8 +89,9 @@ def read_prepared(path: str | os.PathLike) -> tuple[Path, dict]:
     return file, index
 
 
-def plan_speakers(index: dict, speakers: Sequence[str], *, texts: Sequence[str] | None = None,
-                  max_texts: int = 4) -> list[SpeakerPlan]:
+def plan_speakers(
+    index: dict, speakers: Sequence[str], *, texts: Sequence[str] | None = None, max_texts: int = 4
+) -> list[SpeakerPlan]:
     """What each speaker says and what it is compared with, from the prepared index."""
     from tts_lightning.data.predict import speaker_languages
 
@@ -116,12 +117,17 @@ def plan_speakers(index: dict, speakers: Sequence[str], *, texts: Sequence[str] 
                 raise EvaluationError(f"texts without letters or digits cannot be judged: {empty}")
         else:
             chosen = [c["text"] for c in val] or list(DEFAULT_TEXTS)
-        plans.append(SpeakerPlan(
-            name=name, language=languages.get(name, "auto"), reference=reference,
-            reference_text=None if ref_clip is None else ref_clip["text"],
-            real_clips=[(Path(c["audio"]), c["text"]) for c in real], held_out=bool(val),
-            texts=chosen[:max_texts],
-        ))
+        plans.append(
+            SpeakerPlan(
+                name=name,
+                language=languages.get(name, "auto"),
+                reference=reference,
+                reference_text=None if ref_clip is None else ref_clip["text"],
+                real_clips=[(Path(c["audio"]), c["text"]) for c in real],
+                held_out=bool(val),
+                texts=chosen[:max_texts],
+            )
+        )
     return plans
 
 
@@ -147,16 +153,24 @@ def _unwrap(tts) -> None:
 def _load(path: Path, device: str, dtype: torch.dtype):
     from qwen_tts import Qwen3TTSModel
 
-    return Qwen3TTSModel.from_pretrained(str(path), device_map=device, dtype=dtype,
-                                         attn_implementation="sdpa")
+    return Qwen3TTSModel.from_pretrained(str(path), device_map=device, dtype=dtype, attn_implementation="sdpa")
 
 
 def _language(language: str) -> str:
     return "Auto" if language.lower() == "auto" else language
 
 
-def _generate_system(tts, system: str, plans: list[SpeakerPlan], *, paces: dict[str, float], num_samples: int,
-                     seed: int, limit_factor: float, audio_dir: Path) -> dict[str, list[dict[str, Any]]]:
+def _generate_system(
+    tts,
+    system: str,
+    plans: list[SpeakerPlan],
+    *,
+    paces: dict[str, float],
+    num_samples: int,
+    seed: int,
+    limit_factor: float,
+    audio_dir: Path,
+) -> dict[str, list[dict[str, Any]]]:
     """Speak every (speaker, text, sample) with one system; the audio goes to ``audio_dir``."""
     import soundfile as sf
 
@@ -169,7 +183,8 @@ def _generate_system(tts, system: str, plans: list[SpeakerPlan], *, paces: dict[
             prompt = None
             if system != "fine_tuned":
                 prompt = tts.create_voice_clone_prompt(
-                    ref_audio=str(plan.reference), ref_text=plan.reference_text,
+                    ref_audio=str(plan.reference),
+                    ref_text=plan.reference_text,
                     x_vector_only_mode=system == "zero_shot_xvector",
                 )
             gens = []
@@ -178,8 +193,11 @@ def _generate_system(tts, system: str, plans: list[SpeakerPlan], *, paces: dict[
                 for k in range(num_samples):
                     sample_seed = seed + 1000 * k + t  # the same for every system
                     torch.manual_seed(sample_seed)
-                    kwargs = {"text": text, "language": _language(plan.language),
-                              "max_new_tokens": max_new_tokens_for(limit)}
+                    kwargs = {
+                        "text": text,
+                        "language": _language(plan.language),
+                        "max_new_tokens": max_new_tokens_for(limit),
+                    }
                     started = time.perf_counter()
                     if system == "fine_tuned":
                         wavs, sr = tts.generate_custom_voice(speaker=plan.name, **kwargs)
@@ -193,43 +211,58 @@ def _generate_system(tts, system: str, plans: list[SpeakerPlan], *, paces: dict[
                     path.parent.mkdir(parents=True, exist_ok=True)
                     sf.write(str(path), np.clip(wav, -1.0, 1.0), SAMPLE_RATE)
                     n = frames[-1]
-                    gens.append({
-                        "text_index": t, "sample": k, "seed": sample_seed, "audio": str(path),
-                        "frames": n, "frame_limit": limit, "eos_failure": hit_frame_limit(n, limit),
-                        "seconds": wav.size / SAMPLE_RATE, "speech_seconds": speech_seconds(wav, SAMPLE_RATE),
-                        "generation_seconds": elapsed, "_wav": wav,
-                    })
+                    gens.append(
+                        {
+                            "text_index": t,
+                            "sample": k,
+                            "seed": sample_seed,
+                            "audio": str(path),
+                            "frames": n,
+                            "frame_limit": limit,
+                            "eos_failure": hit_frame_limit(n, limit),
+                            "seconds": wav.size / SAMPLE_RATE,
+                            "speech_seconds": speech_seconds(wav, SAMPLE_RATE),
+                            "generation_seconds": elapsed,
+                            "_wav": wav,
+                        }
+                    )
             out[plan.name] = gens
     finally:
         _unwrap(tts)
     return out
 
 
-def _resolve_model(model: str | os.PathLike, workdir: Path, *, base: str | os.PathLike | None,
-                   dtype: str, trust_checkpoint: bool) -> tuple[Path, str, str | None]:
+def _resolve_model(
+    model: str | os.PathLike, workdir: Path, *, base: str | os.PathLike | None, dtype: str, trust_checkpoint: bool
+) -> tuple[Path, str, str | None]:
     """(a custom_voice directory, what it is, the base the checkpoint names)."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
     from tts_lightning.model.pretrained import PretrainedError, check_pretrained
 
     path = Path(model).expanduser()
     if not path.exists():
-        raise EvaluationError(f"model {path} does not exist: give an exported directory (`tts-lightning export`) "
-                              "or a training checkpoint (a .ckpt file or a sharded checkpoint folder)")
+        raise EvaluationError(
+            f"model {path} does not exist: give an exported directory (`tts-lightning export`) "
+            "or a training checkpoint (a .ckpt file or a sharded checkpoint folder)"
+        )
     if path.is_dir() and (path / "config.json").is_file():
         try:
             info = check_pretrained(path)
         except PretrainedError as exc:
             raise EvaluationError(str(exc)) from exc
         if info.tts_model_type != "custom_voice":
-            raise EvaluationError(f"{path} is a {info.tts_model_type!r} model; the fine-tuned model must be a "
-                                  "custom_voice directory (`tts-lightning export`) or a training checkpoint")
+            raise EvaluationError(
+                f"{path} is a {info.tts_model_type!r} model; the fine-tuned model must be a "
+                "custom_voice directory (`tts-lightning export`) or a training checkpoint"
+            )
         return info.path, "exported directory", None
     from tts_lightning.model.export import ExportError, export_custom_voice
 
     try:
         named_base = CheckpointReader(path, trust=trust_checkpoint).hyper_parameters.get("pretrained")
-        out = export_custom_voice(path, workdir / "fine_tuned", dtype=dtype, pretrained=base,
-                                  trust_checkpoint=trust_checkpoint)
+        out = export_custom_voice(
+            path, workdir / "fine_tuned", dtype=dtype, pretrained=base, trust_checkpoint=trust_checkpoint
+        )
     except (CheckpointError, ExportError, PretrainedError) as exc:
         raise EvaluationError(str(exc)) from exc
     return out, "training checkpoint", None if named_base is None else str(named_base)
@@ -274,12 +307,14 @@ def evaluate(
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
     try:
-        model_dir, model_kind, named_base = _resolve_model(model, workdir, base=base, dtype=dtype,
-                                                           trust_checkpoint=trust_checkpoint)
+        model_dir, model_kind, named_base = _resolve_model(
+            model, workdir, base=base, dtype=dtype, trust_checkpoint=trust_checkpoint
+        )
         base = base if base is not None else named_base
         if base is None:
-            raise EvaluationError("give --base: the base model the fine-tuned one started from (an exported "
-                                  "directory does not name it)")
+            raise EvaluationError(
+                "give --base: the base model the fine-tuned one started from (an exported directory does not name it)"
+            )
         try:
             base_info = check_pretrained(base, require_type="base")
         except PretrainedError as exc:
@@ -298,20 +333,22 @@ def evaluate(
         else:
             chosen = available
             if not chosen:
-                raise EvaluationError(f"the fine-tuned model's speakers {sorted(model_speakers)} are not in the "
-                                      f"data ({index_file}: {data_speakers})")
+                raise EvaluationError(
+                    f"the fine-tuned model's speakers {sorted(model_speakers)} are not in the "
+                    f"data ({index_file}: {data_speakers})"
+                )
         plans = plan_speakers(index, chosen, texts=texts, max_texts=max_texts)
 
         from tts_lightning.data.audio import load_audio
 
         real_audio = {p.name: [load_audio(a, SAMPLE_RATE).numpy() for a, _ in p.real_clips] for p in plans}
-        paces = {p.name: seconds_per_character(real_audio[p.name], [t for _, t in p.real_clips], SAMPLE_RATE)
-                 for p in plans}
+        paces = {
+            p.name: seconds_per_character(real_audio[p.name], [t for _, t in p.real_clips], SAMPLE_RATE) for p in plans
+        }
 
         generated: dict[str, dict[str, list[dict]]] = {}
         audio_dir = out / "audio"
-        common = dict(paces=paces, num_samples=num_samples, seed=seed, limit_factor=limit_factor,
-                      audio_dir=audio_dir)
+        common = dict(paces=paces, num_samples=num_samples, seed=seed, limit_factor=limit_factor, audio_dir=audio_dir)
         tts = _load(model_dir, device, torch_dtype)
         generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
         del tts
@@ -326,9 +363,18 @@ def evaluate(
         shutil.rmtree(workdir, ignore_errors=True)
 
     result: dict[str, Any] = {
-        "model": str(model), "model_kind": model_kind, "base": str(base_info.path), "prepared": str(index_file),
-        "settings": {"num_samples": num_samples, "seed": seed, "limit_factor": limit_factor, "device": device,
-                     "dtype": dtype, "max_texts": max_texts},
+        "model": str(model),
+        "model_kind": model_kind,
+        "base": str(base_info.path),
+        "prepared": str(index_file),
+        "settings": {
+            "num_samples": num_samples,
+            "seed": seed,
+            "limit_factor": limit_factor,
+            "device": device,
+            "dtype": dtype,
+            "max_texts": max_texts,
+        },
         "speakers": {},
     }
     for plan in plans:
@@ -341,8 +387,13 @@ def evaluate(
             for g in gens:
                 wav = g.pop("_wav")
                 audible = wav.size > 0 and float(np.abs(wav).max()) > 0
-                g["similarity"] = (float(torch.nn.functional.cosine_similarity(
-                    embed_utterances([wav], SAMPLE_RATE)[0], reference, dim=0)) if audible else None)
+                g["similarity"] = (
+                    float(
+                        torch.nn.functional.cosine_similarity(embed_utterances([wav], SAMPLE_RATE)[0], reference, dim=0)
+                    )
+                    if audible
+                    else None
+                )
                 ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, paces[plan.name])
                 g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
             systems[system] = gens

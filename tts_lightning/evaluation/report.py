@@ -112,8 +112,9 @@ def _signed(value: float | None, digits: int = 3) -> str:
 def markdown_table(result: dict[str, Any]) -> str:
     """Per speaker, the fine-tuned model against each zero-shot system: value ± spread, difference
     and verdict for similarity, pace and end-of-speech failures; duration and real-time factor."""
-    others = [s for s in SYSTEM_LABELS if s != "fine_tuned" and any(
-        s in sp["summary"] for sp in result["speakers"].values())]
+    others = [
+        s for s in SYSTEM_LABELS if s != "fine_tuned" and any(s in sp["summary"] for sp in result["speakers"].values())
+    ]
     header = ["speaker", "metric", SYSTEM_LABELS["fine_tuned"]]
     for other in others:
         header += [SYSTEM_LABELS[other], "Δ", "verdict"]
@@ -135,10 +136,17 @@ def markdown_table(result: dict[str, Any]) -> str:
                     cells += [_signed(c["difference"], diff_digits), c["verdict"]]
             lines.append("| " + " | ".join(cells) + " |")
 
-        row("speaker similarity", lambda s: _fmt(s["speaker_similarity"]["mean"], s["speaker_similarity"]["sd"]),
-            "speaker_similarity")
-        row("speaking rate ratio (1 = speaker's pace)",
-            lambda s: _fmt(s["speaking_rate_ratio"]["mean"], s["speaking_rate_ratio"]["sd"], 2), "pace_error", 2)
+        row(
+            "speaker similarity",
+            lambda s: _fmt(s["speaker_similarity"]["mean"], s["speaker_similarity"]["sd"]),
+            "speaker_similarity",
+        )
+        row(
+            "speaking rate ratio (1 = speaker's pace)",
+            lambda s: _fmt(s["speaking_rate_ratio"]["mean"], s["speaking_rate_ratio"]["sd"], 2),
+            "pace_error",
+            2,
+        )
         row("end-of-speech failures", lambda s: f"{s['eos_failures']}/{s['generations']}", "eos_failure_rate", 2)
         row("mean duration (s)", lambda s: _fmt(s["mean_seconds"], digits=2))
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
@@ -151,6 +159,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     ]
     for name, speaker in result["speakers"].items():
         if not speaker.get("real_clips_held_out", True):
-            notes.append(f"{name}: no validation clips; similarity and pace are measured against the speaker's "
-                         "other clips, which the model trained on.")
+            notes.append(
+                f"{name}: no validation clips; similarity and pace are measured against the speaker's "
+                "other clips, which the model trained on."
+            )
     return "\n".join(lines + notes) + "\n"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ INSTALL_HINT = "pip install 'tts-lightning[eval]'"
 # remove everything from a short or unusual (e.g. early-training) clip.
 MIN_TRIMMED_SAMPLES = ENCODER_SAMPLE_RATE // 10
 
-Waveform = Union[np.ndarray, Tensor]
+Waveform = np.ndarray | Tensor
 
 
 def _import_resemblyzer():

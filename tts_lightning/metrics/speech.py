@@ -71,8 +71,14 @@ def speaking_rate_ratio(wav, text: str, sample_rate: int, speaker_seconds_per_ch
     return seconds_per_character([wav], [text], sample_rate) / speaker_seconds_per_char
 
 
-def frame_limit(text: str, speaker_seconds_per_char: float, *, factor: float = DEFAULT_LIMIT_FACTOR,
-                min_frames: int = DEFAULT_MIN_FRAMES, max_frames: int | None = None) -> int:
+def frame_limit(
+    text: str,
+    speaker_seconds_per_char: float,
+    *,
+    factor: float = DEFAULT_LIMIT_FACTOR,
+    min_frames: int = DEFAULT_MIN_FRAMES,
+    max_frames: int | None = None,
+) -> int:
     """``max_new_tokens`` for ``text``: ``factor`` times the frames the speaker would need for it,
     at least ``min_frames`` (and at most ``max_frames`` when given)."""
     frames = math.ceil(factor * text_characters(text) * speaker_seconds_per_char * FRAME_RATE)

@@ -42,7 +42,7 @@ class TrainingCheckpoint:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain `Qwen3TTSForConditionalGeneration` keys, as its safetensors file names them."""
-        return {k[len("model."):]: v for k, v in self.state_dict.items() if k.startswith("model.")}
+        return {k[len("model.") :]: v for k, v in self.state_dict.items() if k.startswith("model.")}
 
 
 def _torch_load(path: Path | str, *, trust: bool, mmap: bool = False) -> Any:
@@ -78,7 +78,7 @@ class CheckpointReader:
 
                 metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
                 self._sizes = {
-                    fqn[len(MODEL_PREFIX):]: (m.size, m.properties.dtype)
+                    fqn[len(MODEL_PREFIX) :]: (m.size, m.properties.dtype)
                     for fqn, m in metadata.items()
                     if fqn.startswith(MODEL_PREFIX) and hasattr(m, "size")
                 }
@@ -123,9 +123,7 @@ class CheckpointReader:
             return {k: self._full[k] if dtype is None else self._full[k].to(dtype) for k in keys}
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        target = {
-            MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys
-        }
+        target = {MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys}
         try:
             with warnings.catch_warnings():  # no_dist is meant: one process reads
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -135,10 +133,12 @@ class CheckpointReader:
         return {k: target[MODEL_PREFIX + k] for k in keys}
 
 
-def load_training_checkpoint(path: str | os.PathLike, *, trust: bool = False,
-                             keys: Sequence[str] | None = None) -> TrainingCheckpoint:
+def load_training_checkpoint(
+    path: str | os.PathLike, *, trust: bool = False, keys: Sequence[str] | None = None
+) -> TrainingCheckpoint:
     """The module state (all tensors, or ``keys``), hyper-parameters and step of a checkpoint."""
     reader = CheckpointReader(path, trust=trust)
     state = reader.read(reader.tensor_keys() if keys is None else keys)
-    return TrainingCheckpoint(path=reader.path, state_dict=state, hyper_parameters=reader.hyper_parameters,
-                              global_step=reader.global_step)
+    return TrainingCheckpoint(
+        path=reader.path, state_dict=state, hyper_parameters=reader.hyper_parameters, global_step=reader.global_step
+    )

@@ -66,10 +66,13 @@ class _LoRASource:
         from tts_lightning.model.lora import checkpoint_key, is_adapter_key
 
         self.reader, self.base, self.scaling = reader, WeightReader(info), settings.scaling
-        self.stored = {checkpoint_key(k[len("model."):]): k for k in reader.tensor_keys()
-                       if k.startswith("model.") and not is_adapter_key(k)}
+        self.stored = {
+            checkpoint_key(k[len("model.") :]): k
+            for k in reader.tensor_keys()
+            if k.startswith("model.") and not is_adapter_key(k)
+        }
         adapters = [k for k in reader.tensor_keys() if ".lora_A." in k]
-        self.adapted = {k[len("model."):].split(".lora_A.")[0] + ".weight": k for k in adapters}
+        self.adapted = {k[len("model.") :].split(".lora_A.")[0] + ".weight": k for k in adapters}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for key, file in self.base.file_of.items():
             with safe_open(str(self.base.path / file), framework="pt") as f:
@@ -82,12 +85,12 @@ class _LoRASource:
         return ["model." + k for k in self.base.file_of]
 
     def numel(self, key: str) -> int:
-        return int(torch.Size(self.shapes[key[len("model."):]]).numel())
+        return int(torch.Size(self.shapes[key[len("model.") :]]).numel())
 
     def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         from tts_lightning.model.lora import merge
 
-        name = key[len("model."):]
+        name = key[len("model.") :]
         if name in self.stored:
             value = self.reader.read([self.stored[name]])[self.stored[name]]
         else:
@@ -194,14 +197,21 @@ def export_custom_voice(
     source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
     keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
     groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
-    names = (["model.safetensors"] if len(groups) == 1
-             else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
 
     from safetensors.torch import save_file
 
     with staged_directory(out) as tmp:
         for item in info.path.iterdir():
-            if item.name in WEIGHT_FILES or item.name in ("config.json", "tiny_model.json") or item.name.startswith("model-"):
+            if (
+                item.name in WEIGHT_FILES
+                or item.name in ("config.json", "tiny_model.json")
+                or item.name.startswith("model-")
+            ):
                 continue
             if item.is_dir():
                 shutil.copytree(item, tmp / item.name)
@@ -221,7 +231,7 @@ def export_custom_voice(
                 else:  # read straight into the target dtype (merged in fp32 first for LoRA)
                     value = source.read(key, dtype=target)
                 value = value.contiguous()
-                shard[key[len("model."):]] = value
+                shard[key[len("model.") :]] = value
                 total += value.numel() * value.element_size()
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
@@ -263,23 +273,28 @@ def export_adapter(
     hp = reader.hyper_parameters
     settings = _adapter_settings(hp)
     if settings is None:
-        raise ExportError(f"{ckpt}: not a LoRA checkpoint (trained without model.adapter); export it without --adapter-only")
+        raise ExportError(
+            f"{ckpt}: not a LoRA checkpoint (trained without model.adapter); export it without --adapter-only"
+        )
     speakers = [str(s).lower() for s in hp.get("speakers") or []]
-    embeddings = reader.read(["speaker_embeddings"])["speaker_embeddings"].float() \
-        if "speaker_embeddings" in reader.tensor_keys() else None
+    embeddings = (
+        reader.read(["speaker_embeddings"])["speaker_embeddings"].float()
+        if "speaker_embeddings" in reader.tensor_keys()
+        else None
+    )
     if not speakers or embeddings is None or embeddings.shape[0] != len(speakers):
         raise CheckpointError(f"{ckpt}: the speaker table is missing or does not match hyper_parameters.speakers")
     base = str(pretrained or hp.get("pretrained"))
     model_keys = [k for k in reader.tensor_keys() if k.startswith("model.")]
-    targets = sorted({k[len("model."):].split(".lora_A.")[0] for k in model_keys if ".lora_A." in k})
-    extras = sorted(checkpoint_key(k[len("model."):]) for k in model_keys if not is_adapter_key(k))
+    targets = sorted({k[len("model.") :].split(".lora_A.")[0] for k in model_keys if ".lora_A." in k})
+    extras = sorted(checkpoint_key(k[len("model.") :]) for k in model_keys if not is_adapter_key(k))
     config = lora_config(settings, targets, base_model=base)
     if extras:
         config.modules_to_save = sorted({k.rpartition(".")[0] for k in extras})
     state: dict[str, torch.Tensor] = {}
     values = reader.read(model_keys, dtype=torch.float32)
     for key, value in values.items():
-        name = key[len("model."):]
+        name = key[len("model.") :]
         if is_adapter_key(name):
             name = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
         else:
@@ -288,11 +303,21 @@ def export_adapter(
     with staged_directory(out) as tmp:
         config.save_pretrained(str(tmp))
         save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        save_file({"speaker_embeddings": embeddings.contiguous()}, str(tmp / ADAPTER_EMBEDDINGS),
-                  metadata={"format": "pt"})
-        (tmp / ADAPTER_SPEAKERS).write_text(json.dumps(
-            {"speakers": speakers, "embeddings": ADAPTER_EMBEDDINGS, "base_model": base,
-             "global_step": reader.global_step}, indent=2) + "\n")
+        save_file(
+            {"speaker_embeddings": embeddings.contiguous()}, str(tmp / ADAPTER_EMBEDDINGS), metadata={"format": "pt"}
+        )
+        (tmp / ADAPTER_SPEAKERS).write_text(
+            json.dumps(
+                {
+                    "speakers": speakers,
+                    "embeddings": ADAPTER_EMBEDDINGS,
+                    "base_model": base,
+                    "global_step": reader.global_step,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -16,7 +16,8 @@ Two traps are handled here rather than at every call site:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,9 +88,7 @@ def generate_codes(
     """
     B = len(text_ids)
     if speaker_embeddings.dim() != 2 or speaker_embeddings.shape[0] != B:
-        raise ValueError(
-            f"speaker_embeddings must be ({B}, D) for {B} texts, got {tuple(speaker_embeddings.shape)}"
-        )
+        raise ValueError(f"speaker_embeddings must be ({B}, D) for {B} texts, got {tuple(speaker_embeddings.shape)}")
     languages = ["auto"] * B if languages is None else [lang or "auto" for lang in languages]
     if len(languages) != B:
         raise ValueError(f"{len(languages)} languages for {B} texts")

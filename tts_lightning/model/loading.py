@@ -14,6 +14,7 @@ Units are materialized in the same order on every rank, so the broadcasts always
 from __future__ import annotations
 
 import json
+
 import torch
 from torch import nn
 
@@ -67,8 +68,15 @@ class MetaWeights:
     other ranks receive; without it, every process reads for itself.
     """
 
-    def __init__(self, model: nn.Module, info: PretrainedInfo, *, dtype: torch.dtype = torch.float32,
-                 adapter_seed: int = 0, frozen_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        info: PretrainedInfo,
+        *,
+        dtype: torch.dtype = torch.float32,
+        adapter_seed: int = 0,
+        frozen_dtype: torch.dtype | None = None,
+    ):
         from tts_lightning.model.lora import checkpoint_key, is_adapter_key
 
         self.reader = WeightReader(info)
@@ -133,5 +141,7 @@ def copy_model(model: nn.Module, *, dtype: torch.dtype, device: torch.device | s
         for prefix, module in copy.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 value = source[f"{prefix}.{name}" if prefix else name].detach()
-                module._parameters[name] = nn.Parameter(value.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+                module._parameters[name] = nn.Parameter(
+                    value.to(device=device, dtype=dtype, copy=True), requires_grad=False
+                )
     return copy.to(device).eval()

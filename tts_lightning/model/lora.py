@@ -17,8 +17,8 @@ from __future__ import annotations
 import fnmatch
 import math
 import zlib
-from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -94,7 +94,7 @@ class LoRASettings:
         return asdict(self)
 
     @classmethod
-    def coerce(cls, value: "LoRASettings | dict | None") -> "LoRASettings | None":
+    def coerce(cls, value: LoRASettings | dict | None) -> LoRASettings | None:
         if value is None or isinstance(value, LoRASettings):
             return value
         if isinstance(value, dict):
@@ -106,7 +106,8 @@ class LoRASettings:
 def target_names(model: nn.Module, settings: LoRASettings) -> list[str]:
     """The full names of the ``nn.Linear`` modules the patterns select (an error if none)."""
     names = [
-        name for name, module in model.named_modules()
+        name
+        for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in settings.target_modules)
     ]
     if not names:
@@ -118,8 +119,12 @@ def lora_config(settings: LoRASettings, targets: list[str], *, base_model: str |
     from peft import LoraConfig
 
     return LoraConfig(
-        r=int(settings.rank), lora_alpha=settings.alpha, lora_dropout=float(settings.dropout),
-        target_modules=list(targets), bias="none", init_lora_weights=True,
+        r=int(settings.rank),
+        lora_alpha=settings.alpha,
+        lora_dropout=float(settings.dropout),
+        target_modules=list(targets),
+        bias="none",
+        init_lora_weights=True,
         base_model_name_or_path=base_model,
     )
 

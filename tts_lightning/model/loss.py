@@ -67,12 +67,8 @@ def code_predictor_inputs(talker, past_hidden: Tensor, codes: Tensor) -> Tensor:
 def code_predictor_logits(talker, inputs: Tensor) -> Tensor:
     """(N, G-1, V): head j applied at position j+1."""
     predictor = talker.code_predictor
-    hidden = predictor.model(
-        inputs_embeds=predictor.small_to_mtp_projection(inputs), use_cache=False
-    ).last_hidden_state
-    return torch.stack(
-        [predictor.lm_head[j](hidden[:, j + 1]) for j in range(inputs.shape[1] - 1)], dim=1
-    )
+    hidden = predictor.model(inputs_embeds=predictor.small_to_mtp_projection(inputs), use_cache=False).last_hidden_state
+    return torch.stack([predictor.lm_head[j](hidden[:, j + 1]) for j in range(inputs.shape[1] - 1)], dim=1)
 
 
 def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3) -> LossOutput:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -12,22 +13,18 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
-from tts_lightning.model.loss import LossOutput, compute_loss
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
-from tts_lightning.model.pretrained import check_pretrained
-from tts_lightning.model.pretrained import load_speech_tokenizer, load_text_tokenizer
-from tts_lightning.model.sequence import tokenize_text
-from tts_lightning.model.sequence import TalkerBatch
+from tts_lightning.model.loss import LossOutput, compute_loss
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.sequence import TalkerBatch, tokenize_text
 
 DEFAULT_FREEZE = ("speaker_encoder",)
 
 
 def matches(name: str, patterns: Sequence[str]) -> bool:
     """A parameter name matches a pattern naming it, a module above it, or a glob over it."""
-    return any(
-        name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns
-    )
+    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 class Qwen3TTSModule(L.LightningModule):
@@ -83,16 +80,16 @@ class Qwen3TTSModule(L.LightningModule):
         self.speakers = list(speakers or [])
         # The fp32 speaker embeddings the run trains with, saved in every checkpoint so that export
         # writes exactly these vectors into the new speakers' codec-embedding rows.
-        self.register_buffer(
-            "speaker_embeddings", torch.zeros(len(self.speakers), int(talker_cfg["hidden_size"]))
-        )
+        self.register_buffer("speaker_embeddings", torch.zeros(len(self.speakers), int(talker_cfg["hidden_size"])))
         metric = lambda n: MulticlassAccuracy(n, top_k=1, average="micro", ignore_index=-100)  # noqa: E731
         self.accuracy = nn.ModuleDict(
             {
                 stage: nn.ModuleList(
                     [metric(int(talker_cfg["vocab_size"]))]
-                    + [metric(int(talker_cfg["code_predictor_config"]["vocab_size"]))
-                       for _ in range(self.num_code_groups - 1)]
+                    + [
+                        metric(int(talker_cfg["code_predictor_config"]["vocab_size"]))
+                        for _ in range(self.num_code_groups - 1)
+                    ]
                 )
                 for stage in ("train_acc", "val_acc", "test_acc")
             }
@@ -120,12 +117,16 @@ class Qwen3TTSModule(L.LightningModule):
             if adapter is None:
                 trainable = not matches(name, self.hparams.freeze)
             else:
-                trainable = (is_adapter_key(name) or matches(checkpoint_key(name), adapter.trainable)) \
-                    and not matches(checkpoint_key(name), self.hparams.freeze)
+                trainable = (is_adapter_key(name) or matches(checkpoint_key(name), adapter.trainable)) and not matches(
+                    checkpoint_key(name), self.hparams.freeze
+                )
             param.requires_grad_(trainable)
         if adapter is not None:
-            unmatched = [p for p in adapter.trainable
-                         if not any(matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())]
+            unmatched = [
+                p
+                for p in adapter.trainable
+                if not any(matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())
+            ]
             if unmatched:
                 raise ValueError(f"adapter.trainable patterns {unmatched} match no parameter of the model")
         self.frozen_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
@@ -134,8 +135,9 @@ class Qwen3TTSModule(L.LightningModule):
         if adapter is not None:
             precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
             frozen_dtype = adapter.frozen_dtype(precision)
-        weights = MetaWeights(model, info, adapter_seed=0 if adapter is None else adapter.seed,
-                              frozen_dtype=frozen_dtype)
+        weights = MetaWeights(
+            model, info, adapter_seed=0 if adapter is None else adapter.seed, frozen_dtype=frozen_dtype
+        )
         strategy = self._trainer.strategy if self._trainer is not None else None
         if getattr(strategy, "materializes_meta_parameters", False):
             self.pending_weights = weights
@@ -162,8 +164,10 @@ class Qwen3TTSModule(L.LightningModule):
             return
         missing = sorted(self.trainable_keys - set(state))
         if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} trainable tensor(s) of this adapter setting, "
-                           f"e.g. {missing[:3]} (was it trained with another `adapter`?)")
+            raise KeyError(
+                f"checkpoint lacks {len(missing)} trainable tensor(s) of this adapter setting, "
+                f"e.g. {missing[:3]} (was it trained with another `adapter`?)"
+            )
 
     # -- steps -------------------------------------------------------------------------------
     def forward(self, batch: TalkerBatch) -> LossOutput:
@@ -179,12 +183,12 @@ class Qwen3TTSModule(L.LightningModule):
         self.log(f"{stage}/code_predictor_loss", out.code_predictor_loss, **log)
         metrics = self.accuracy[f"{stage}_acc"]
         metrics[0](out.talker_logits.detach(), out.talker_targets)
-        self.log(f"{stage}/acc_codebook_0", metrics[0], on_step=on_step, on_epoch=True,
-                 batch_size=len(batch))
+        self.log(f"{stage}/acc_codebook_0", metrics[0], on_step=on_step, on_epoch=True, batch_size=len(batch))
         for j in range(self.num_code_groups - 1):
             metrics[j + 1](out.predictor_logits[:, j].detach(), out.predictor_targets[:, j])
-            self.log(f"{stage}/acc_codebook_{j + 1}", metrics[j + 1], on_step=on_step,
-                     on_epoch=True, batch_size=len(batch))
+            self.log(
+                f"{stage}/acc_codebook_{j + 1}", metrics[j + 1], on_step=on_step, on_epoch=True, batch_size=len(batch)
+            )
         return out.loss
 
     @torch.no_grad()
@@ -247,8 +251,11 @@ class Qwen3TTSModule(L.LightningModule):
         tools = getattr(self, "_predict_tools", None)
         if tools is None:
             info = check_pretrained(self.hparams.pretrained)
-            tools = (load_text_tokenizer(info), load_speech_tokenizer(info, device=self.device),
-                     generation_defaults(info.path))
+            tools = (
+                load_text_tokenizer(info),
+                load_speech_tokenizer(info, device=self.device),
+                generation_defaults(info.path),
+            )
             object.__setattr__(self, "_predict_tools", tools)
         text_tokenizer, speech_tokenizer, defaults = tools
         codes = generate_codes(
@@ -256,8 +263,16 @@ class Qwen3TTSModule(L.LightningModule):
         )
         audio = decode_codes(speech_tokenizer, codes)
         return [
-            {"id": ids[i], "text": texts[i], "speaker": speakers[i], "language": languages[i],
-             "padding": bool(padding[i]), "codes": codes[i], "audio": audio[i], "sample_rate": SAMPLE_RATE}
+            {
+                "id": ids[i],
+                "text": texts[i],
+                "speaker": speakers[i],
+                "language": languages[i],
+                "padding": bool(padding[i]),
+                "codes": codes[i],
+                "audio": audio[i],
+                "sample_rate": SAMPLE_RATE,
+            }
             for i in range(n)
         ]
 

@@ -140,9 +140,7 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
 
     index = info.path / "model.safetensors.index.json"
     files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else ["model.safetensors"]
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     )
     state: dict[str, torch.Tensor] = {}
     for name in files:

@@ -23,8 +23,9 @@ because the layout is the model's knowledge: it must equal what generation build
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ class SpecialIds:
     num_code_groups: int
 
     @classmethod
-    def from_config(cls, config: Any) -> "SpecialIds":
+    def from_config(cls, config: Any) -> SpecialIds:
         """From a `Qwen3TTSConfig` or the dict of a ``config.json``."""
         get = (lambda o, k: o[k]) if isinstance(config, Mapping) else getattr
         talker = get(config, "talker_config")
@@ -75,8 +76,7 @@ class SpecialIds:
             return self.languages[language.lower()]
         except KeyError:
             raise ValueError(
-                f"language {language!r} is not supported by this model; use 'auto' or one of "
-                f"{sorted(self.languages)}"
+                f"language {language!r} is not supported by this model; use 'auto' or one of {sorted(self.languages)}"
             ) from None
 
 
@@ -133,22 +133,9 @@ def build_sequence(
         else [ids.codec_think, ids.codec_think_bos, lang, ids.codec_think_eos]
     )
     speaker_slot = [NO_CODEC] if with_speaker else []
-    codec0 = (
-        [NO_CODEC] * 3
-        + tags
-        + speaker_slot
-        + [ids.codec_pad] * (1 + len(content) + 1)
-        + [ids.codec_bos]
-    )
+    codec0 = [NO_CODEC] * 3 + tags + speaker_slot + [ids.codec_pad] * (1 + len(content) + 1) + [ids.codec_bos]
     n_tag = len(tags) + len(speaker_slot)
-    text = (
-        list(role)
-        + [ids.tts_pad] * n_tag
-        + [ids.tts_bos]
-        + list(content)
-        + [ids.tts_eos]
-        + [ids.tts_pad]
-    )
+    text = list(role) + [ids.tts_pad] * n_tag + [ids.tts_bos] + list(content) + [ids.tts_eos] + [ids.tts_pad]
     # tts_bos sits on codec_pad; content and tts_eos on codec_pad; tts_pad on codec_bos.
     assert len(text) == len(codec0), (len(text), len(codec0))
     L = len(text)
@@ -189,7 +176,7 @@ class TalkerBatch:
     frame_mask: Tensor  # (B, F) bool
     codes: Tensor  # (B, F, G) padded with 0
 
-    def to(self, device) -> "TalkerBatch":
+    def to(self, device) -> TalkerBatch:
         return TalkerBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     @property

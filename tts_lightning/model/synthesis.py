@@ -34,14 +34,9 @@ def synthesize(
     kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     if info.tts_model_type == "custom_voice":
         if not speaker:
-            raise ValueError(
-                f"{info.path} is a custom_voice model: pass a speaker, one of "
-                f"{sorted(info.speakers)}"
-            )
+            raise ValueError(f"{info.path} is a custom_voice model: pass a speaker, one of {sorted(info.speakers)}")
         if speaker.lower() not in info.speakers:
-            raise ValueError(
-                f"speaker {speaker!r} is not in {info.path} (it has {sorted(info.speakers)})"
-            )
+            raise ValueError(f"speaker {speaker!r} is not in {info.path} (it has {sorted(info.speakers)})")
         return model.generate_custom_voice(text=texts, speaker=speaker, language=language, **kwargs)
     if info.tts_model_type == "base":
         if ref_audio is None:

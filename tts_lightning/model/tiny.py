@@ -303,9 +303,7 @@ def _build_text_tokenizer(out: Path) -> None:
         "unk_token": None,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out / "preprocessor_config.json").write_text(
-        json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2)
-    )
+    (out / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2))
 
 
 def _generation_config() -> dict:
@@ -330,13 +328,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
-    from safetensors.torch import save_file
-
     from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
     from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
         Qwen3TTSTokenizerV2Config,
     )
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+    from safetensors.torch import save_file
 
     model_cfg, speech_cfg = tiny_configs(model_type, codebook_size)
 
@@ -361,9 +358,7 @@ def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
 
     speech_dir = out / "speech_tokenizer"
     speech_dir.mkdir()
-    speech_config = Qwen3TTSTokenizerV2Config(
-        **{k: v for k, v in speech_cfg.items() if k not in ("model_type",)}
-    )
+    speech_config = Qwen3TTSTokenizerV2Config(**{k: v for k, v in speech_cfg.items() if k not in ("model_type",)})
     speech_config.architectures = speech_cfg["architectures"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
@@ -413,8 +408,12 @@ def build_tiny_pretrained(
     """
     if codebook_size & (codebook_size - 1) or not 16 <= codebook_size <= 2048:
         raise ValueError(f"codebook_size must be a power of 2 in [16, 2048], got {codebook_size}")
-    key = {"seed": seed, "model_type": model_type, "codebook_size": codebook_size,
-           "format_version": TINY_FORMAT_VERSION}
+    key = {
+        "seed": seed,
+        "model_type": model_type,
+        "codebook_size": codebook_size,
+        "format_version": TINY_FORMAT_VERSION,
+    }
     if path is None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         path = default_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"
