@@ -145,7 +145,7 @@ def worker(rank: int, mode: str, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
 
-    from tts_lightning.model.module import matches
+    from tts_lightning.model.parameters import matches
 
     config = bench_config()
     torch.manual_seed(0)  # identical initial weights on every rank

@@ -65,9 +65,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tts_lightning.model.parameters import DEFAULT_FREEZE, matches
+
 GiB = 2**30
 CUDA_OVERHEAD_BYTES = 1 * GiB  # CUDA context + library workspaces + allocator fragmentation: a constant
-DEFAULT_FREEZE = ("speaker_encoder",)
 TEXT_EMBEDDING = "talker.model.text_embedding"
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 PRECISIONS = ("bf16-mixed", "32-true")
@@ -228,7 +229,6 @@ def build_meta_model(config: Mapping[str, Any]) -> nn.Module:
 @lru_cache(maxsize=16)
 def _model_shape(config_json: str, wrap: tuple[str, ...], adapter_json: str = "null") -> ModelShape:
     from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
-    from tts_lightning.model.module import matches
 
     model = build_meta_model(json.loads(config_json))
     adapter = LoRASettings.coerce(json.loads(adapter_json))
@@ -517,7 +517,6 @@ def plan_memory(
             `Qwen3TTSModule`'s ``adapter``: only the adapters and ``adapter.trainable`` train.
     """
     from tts_lightning.model.lora import LoRASettings, checkpoint_key, is_adapter_key
-    from tts_lightning.model.module import matches
 
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
@@ -709,7 +708,6 @@ def speech_tokenizer_bytes(model: str | os.PathLike | Mapping[str, Any]) -> int:
 
 def _advice(config: dict, plan: MemoryPlan, settings: dict) -> list[str]:
     """Options that make it fit, cheapest first, applied cumulatively until it fits."""
-    from tts_lightning.model.module import matches
 
     advice: list[str] = []
     current = plan

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning as L
@@ -12,19 +10,23 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from tts_lightning.deprecation import moved
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
 from tts_lightning.model.loss import LossOutput, compute_loss
+from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
+from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import TalkerBatch, tokenize_text
 
-DEFAULT_FREEZE = ("speaker_encoder",)
-
-
-def matches(name: str, patterns: Sequence[str]) -> bool:
-    """A parameter name matches a pattern naming it, a module above it, or a glob over it."""
-    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+__getattr__ = moved(
+    __name__,
+    {
+        "matches": "tts_lightning.model.parameters:matches",
+        "DEFAULT_FREEZE": "tts_lightning.model.parameters:DEFAULT_FREEZE",
+    },
+)
 
 
 class Qwen3TTSModule(L.LightningModule):
@@ -57,7 +59,7 @@ class Qwen3TTSModule(L.LightningModule):
         warmup_steps: int = 0,
         lr_schedule: Literal["constant", "cosine"] = "constant",
         sub_talker_loss_weight: float = 0.3,
-        freeze: list[str] = list(DEFAULT_FREEZE),
+        freeze: list[str] = list(_DEFAULT_FREEZE),
         attn_implementation: Literal["sdpa", "eager"] = "sdpa",
         adapter: LoRASettings | None = None,
     ) -> None:
@@ -115,17 +117,18 @@ class Qwen3TTSModule(L.LightningModule):
             self.wrap_trainable_leaves = True
         for name, param in model.named_parameters():
             if adapter is None:
-                trainable = not matches(name, self.hparams.freeze)
+                trainable = not _matches(name, self.hparams.freeze)
             else:
-                trainable = (is_adapter_key(name) or matches(checkpoint_key(name), adapter.trainable)) and not matches(
-                    checkpoint_key(name), self.hparams.freeze
+                key = checkpoint_key(name)
+                trainable = (is_adapter_key(name) or _matches(key, adapter.trainable)) and not _matches(
+                    key, self.hparams.freeze
                 )
             param.requires_grad_(trainable)
         if adapter is not None:
             unmatched = [
                 p
                 for p in adapter.trainable
-                if not any(matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())
+                if not any(_matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())
             ]
             if unmatched:
                 raise ValueError(f"adapter.trainable patterns {unmatched} match no parameter of the model")

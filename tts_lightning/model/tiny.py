@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tts_lightning.deprecation import moved
 from tts_lightning.files import staged_directory
 
 TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
@@ -385,7 +386,8 @@ def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
     )
 
 
-def default_cache_dir() -> Path:
+def tiny_cache_dir() -> Path:
+    """Where tiny models built on first use live: ``$TTS_LIGHTNING_CACHE``, else ``~/.cache/tts-lightning``."""
     root = os.environ.get("TTS_LIGHTNING_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tts-lightning"
     )
@@ -416,7 +418,7 @@ def build_tiny_pretrained(
     }
     if path is None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-        path = default_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"
+        path = tiny_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"
     out = Path(path).expanduser().resolve()
     stamp = out / "tiny_model.json"
     if stamp.is_file():
@@ -455,3 +457,6 @@ def default_tiny_dir() -> Path:
         return build_tiny_pretrained()
     except OSError:
         return build_tiny_pretrained()
+
+
+__getattr__ = moved(__name__, {"default_cache_dir": "tts_lightning.model.tiny:tiny_cache_dir"})
