@@ -19,8 +19,6 @@ What it changes, and why:
 from __future__ import annotations
 
 import importlib
-import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +26,10 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+
+from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError, split_cpu_threads
+
+__all__ = ["CheckpointWriteError", "DEFAULT_CHECKPOINT", "DEFAULT_WRAP", "Qwen3TTSFSDPStrategy", "import_classes"]
 
 DEFAULT_WRAP = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
@@ -57,7 +59,7 @@ def import_classes(paths: list[str] | tuple[str, ...]) -> set[type[nn.Module]]:
     return classes
 
 
-class Qwen3TTSFSDPStrategy(FSDPStrategy):
+class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
     """FSDP for Qwen3-TTS. Every argument can be set from YAML under ``trainer.strategy.init_args``.
 
     Args:
@@ -137,10 +139,7 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu" or self.cpu_offload.offload_params:
-            # Lightning sets threads in rank 0 only; ranks sharing the cores (CPU runs, or the CPU
-            # optimizer step under cpu_offload) must split them.
-            threads = max(1, (os.cpu_count() or 1) // max(self.num_processes, 1))
-            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
+            split_cpu_threads(self.num_processes)  # CPU runs, or the CPU optimizer step under cpu_offload
         super().setup_environment()
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -251,35 +250,6 @@ class Qwen3TTSFSDPStrategy(FSDPStrategy):
                 state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
             return state
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write beside the destination, then rename, so an interrupted save never leaves a
-        half-written checkpoint where `--ckpt_path last` would find it. Each node's local rank 0
-        renames what its node wrote (node-local storage keeps every node's shards), and a failed
-        write on any rank removes the partial everywhere and raises on every rank."""
-        final = Path(self.broadcast(str(filepath)))
-        partial = final.with_name(f".{final.name}.partial")
-        old = final.with_name(f".{final.name}.old")
-        if self.local_rank == 0:
-            _remove(partial)
-        self.barrier("checkpoint_prepare")
-        error: BaseException | None = None
-        try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
-        except Exception as exc:  # every rank must learn of it, or the others wait forever
-            error = exc
-        if not self.reduce_boolean_decision(error is None, all=True):
-            if self.local_rank == 0:
-                _remove(partial)
-            self.barrier("checkpoint_failed")
-            raise CheckpointWriteError(final, error) from error
-        self.barrier("checkpoint_written")
-        if self.is_global_zero:
-            _rename(partial, final, old)
-        self.barrier("checkpoint_renamed")
-        if self.local_rank == 0 and not self.is_global_zero and partial.exists():
-            _rename(partial, final, old)  # node-local storage: this node's own copy
-        self.barrier("checkpoint_renamed_on_nodes")
-
     def _report_shards(self, model: nn.Module) -> nn.Module:
         """Say on every rank how much of the model it holds: the first thing to check when memory
         does not fit (a big root unit or an unwrapped layer class shows here)."""
@@ -323,38 +293,3 @@ def _with_trainable_leaves(policy):
 
     leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf)
     return functools.partial(_or_policy, policies=[leaves, policy])
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the previous one at that path is intact."""
-
-    def __init__(self, path: Path, error: BaseException | None) -> None:
-        usage = shutil.disk_usage(_existing_parent(path))
-        full = usage.free < max(64 * 2**20, usage.total // 100)
-        cause = "the disk is full" if full else "the write failed"
-        reason = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
-        super().__init__(
-            f"could not write checkpoint {path}: {cause} ({usage.free / 2**30:.2f} GiB free on "
-            f"that disk; {reason}). The partial write was removed; an earlier checkpoint at that path is intact."
-        )
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _rename(partial: Path, final: Path, old: Path) -> None:
-    _remove(old)
-    if final.exists():
-        os.replace(final, old)  # a folder cannot be replaced in one step
-    os.replace(partial, final)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)  # another node may remove a shared folder too
-    elif path.exists() or path.is_symlink():
-        path.unlink()
