@@ -66,15 +66,16 @@ def make_datamodule(tiny_dir, demo_data):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_script(script, *args, timeout: float, cwd=None) -> str:
-    """Run a test helper script in its own session (Lightning spawns its other ranks from it); on
-    timeout (a deadlock) the whole process group is killed and the test fails."""
+def _launch(argv, *, timeout: float, cwd=None, check=True, pythonpath=()) -> subprocess.CompletedProcess:
+    """Run a command in its own session (Lightning spawns its other ranks from it); on timeout (a
+    deadlock) the whole process group is killed and the test fails."""
     import os
     import signal
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.Popen(
-        [sys.executable, str(script), *map(str, args)],
+        [sys.executable, *map(str, argv)],
         cwd=cwd,
         env=env,
         text=True,
@@ -88,12 +89,29 @@ def _run_script(script, *args, timeout: float, cwd=None) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
-    return stdout + stderr
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="session")
 def run_script():
     """run_script(script, *args, timeout, cwd=None) -> output: one launcher for multi-process tests."""
-    return _run_script
+
+    def run(script, *args, timeout: float, cwd=None) -> str:
+        proc = _launch([script, *args], timeout=timeout, cwd=cwd)
+        return proc.stdout + proc.stderr
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """run_cli(*args, cwd, timeout=900, check=True, pythonpath=()) -> CompletedProcess: the
+    `tts-lightning` command (``python -m tts_lightning``) through the same launcher; ``pythonpath``
+    adds folders (e.g. the test's own, for callbacks named in ``--trainer.callbacks``)."""
+
+    def run(*args, cwd, timeout: float = 900, check: bool = True, pythonpath=()) -> subprocess.CompletedProcess:
+        return _launch(["-m", "tts_lightning", *args], timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath)
+
+    return run
