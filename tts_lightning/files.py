@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -158,7 +159,7 @@ def _size(path: Path) -> int:
 
 
 def atomic_write(
-    path: str | os.PathLike, write: Callable[[object], None], *, binary: bool = True, needed: int | None = None
+    path: str | os.PathLike, write: Callable[[Any], None], *, binary: bool = True, needed: int | None = None
 ) -> Path:
     """Write ``path`` through ``write(fileobj)`` into a temporary file beside it, then rename it into
     place, so a reader (or a crash) never sees half a file. A full disk or a folder that cannot be
@@ -168,7 +169,7 @@ def atomic_write(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as fh:
             write(fh)
         os.replace(tmp, path)
     except BaseException as exc:

@@ -91,9 +91,9 @@ def build_cli(args: list[str], trainer_overrides: Callable[[TTSLightningCLI], di
     Trainer arguments that replace the config's; with None no Trainer is built (the driver)."""
 
     class _RayCLI(TTSLightningCLI):
-        def instantiate_trainer(self, **kwargs: Any) -> Trainer | None:
+        def instantiate_trainer(self, **kwargs: Any) -> Trainer:
             if trainer_overrides is None:
-                return None
+                return None  # type: ignore[return-value]  # the driver builds no Trainer
             return super().instantiate_trainer(**{**kwargs, **trainer_overrides(self)})
 
     with warnings.catch_warnings():
@@ -335,7 +335,7 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
             "resumed run differs; use sharded checkpoints on CPU",
             stacklevel=2,
         )
-    timeout = strategy_args.get("timeout")
+    timeout: Any = strategy_args.get("timeout")
     torch_config = TorchConfig(
         backend=strategy_args.get("process_group_backend"),
         timeout_s=int(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else 1800,

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ DEFAULT_TEXTS = (
     "We will meet at the station at half past nine tomorrow morning.",
 )
 SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
+Dtype = Literal["bf16", "fp16", "fp32"]
 
 
 class EvaluationError(ValueError):
@@ -233,7 +234,7 @@ def _generate_system(
 
 
 def _resolve_model(
-    model: str | os.PathLike, workdir: Path, *, base: str | os.PathLike | None, dtype: str, trust_checkpoint: bool
+    model: str | os.PathLike, workdir: Path, *, base: str | os.PathLike | None, dtype: Dtype, trust_checkpoint: bool
 ) -> tuple[Path, str, str | None]:
     """(a custom_voice directory, what it is, the base the checkpoint names)."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
@@ -282,7 +283,7 @@ def evaluate(
     limit_factor: float = DEFAULT_LIMIT_FACTOR,
     icl: bool = True,
     device: str | None = None,
-    dtype: str | None = None,
+    dtype: Dtype | None = None,
     trust_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
@@ -348,7 +349,9 @@ def evaluate(
 
         generated: dict[str, dict[str, list[dict]]] = {}
         audio_dir = out / "audio"
-        common = dict(paces=paces, num_samples=num_samples, seed=seed, limit_factor=limit_factor, audio_dir=audio_dir)
+        common: dict[str, Any] = dict(
+            paces=paces, num_samples=num_samples, seed=seed, limit_factor=limit_factor, audio_dir=audio_dir
+        )
         tts = _load(model_dir, device, torch_dtype)
         generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
         del tts

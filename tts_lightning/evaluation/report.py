@@ -25,7 +25,7 @@ def mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
     return m, sd
 
 
-def compare(ours: Sequence[float], theirs: Sequence[float], *, higher_is_better: bool) -> dict[str, Any]:
+def compare(ours: Sequence[float | None], theirs: Sequence[float | None], *, higher_is_better: bool) -> dict[str, Any]:
     """Difference of means (ours - theirs), its standard error from the spread of both, and a
     verdict: "better" / "worse" when the difference exceeds `NOISE_Z` standard errors in the
     good / bad direction, else "within noise"."""
@@ -34,6 +34,7 @@ def compare(ours: Sequence[float], theirs: Sequence[float], *, higher_is_better:
     if not a or not b:
         return {"difference": None, "noise": None, "verdict": "n/a"}
     (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    assert ma is not None and sa is not None and mb is not None and sb is not None  # a and b are finite
     diff = ma - mb
     noise = NOISE_Z * math.sqrt(sa**2 / len(a) + sb**2 / len(b))
     if abs(diff) <= noise or diff == 0:

@@ -124,6 +124,8 @@ class SpeakerSimilarity(Metric):
     def __init__(self, sample_rate: int = 24_000, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sample_rate = int(sample_rate)
+        self.similarity_sum: Tensor
+        self.count: Tensor
         self.add_state("similarity_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 

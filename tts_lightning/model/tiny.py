@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -226,7 +227,8 @@ def _init_speech_tokenizer(model: nn.Module, generator: torch.Generator) -> None
                     t.fill_(1.0)
     # A fan-in redraw of the decoder saturates its output; the final conv is scaled down so the
     # decoded audio stays inside [-1, 1] without clipping most samples.
-    last_conv = model.decoder.decoder[-1].conv
+    decoder: Any = model.decoder
+    last_conv = decoder.decoder[-1].conv
     with torch.no_grad():
         last_conv.weight.mul_(0.05)
 
