@@ -54,11 +54,11 @@ def _accepted(manifest: Path):
 def test_second_prepare_encodes_nothing_and_a_rewritten_clip_is_reencoded(
     tiny_dir, demo_copy, encode_counter, monkeypatch
 ):
-    import tts_lightning.data.datamodule as datamodule
+    import tts_lightning.data.prepare as prepare
 
     validations = []
-    real_validate = datamodule.validate_clips
-    monkeypatch.setattr(datamodule, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k))
+    real_validate = prepare.validate_clips
+    monkeypatch.setattr(prepare, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k))
 
     data = SpeakerClipsDataModule(str(tiny_dir), str(demo_copy))
     data.prepare()

@@ -15,8 +15,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from tts_lightning.data.datamodule import SpeakerClipsDataModule, split_validation
+from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.prepare import PreparedIndex, split_validation
 from tts_lightning.data.prepare_cli import prepare_command
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.model.sequence import TalkerBatch
@@ -74,6 +75,15 @@ def test_setup_reads_only_files(tiny_dir, prepared):
     assert emb.dtype == torch.float32 and emb.shape == (2, 64)
     assert len(data.train_dataset) == 22 and len(data.val_dataset) == 2
 
+    # The typed index is prepared.json: the same JSON, byte for byte, and the JSON readers still get a dict.
+    index = data.prepared_index
+    assert isinstance(index, PreparedIndex) and index.speaker_names == ["alice", "bob"]
+    assert [len(index.split("train")), len(index.split("val"))] == [22, 2]
+    assert all(c.frames > 0 and isinstance(c.frames, int) for c in index.clips)
+    text = data.prepared_path.read_text(encoding="utf-8")
+    assert json.dumps(index.to_json(), indent=2, ensure_ascii=False) + "\n" == text
+    assert PreparedIndex.from_json(json.loads(text)) == index and data.read_index() == json.loads(text)
+
     # Other settings than the index was prepared with: refuse rather than train on stale data.
     with pytest.raises(RuntimeError, match="seed"):
         make(tiny_dir, prepared, seed=5).setup("fit")
@@ -107,17 +117,35 @@ def test_train_batches_are_consistent_and_respect_the_frame_cap(tiny_dir, prepar
     assert val == [b.codes.sum().item() for b in data.val_dataloader()]
 
 
-def test_ranks_get_disjoint_batches_and_the_sampler_flag_is_turned_off(tiny_dir, prepared):
+def test_ranks_get_disjoint_batches_and_a_distributed_sampler_is_refused(tiny_dir, prepared):
+    # A real 2-process Trainer (not launched) that would inject a DistributedSampler: refused by
+    # setup (before any encoding) and by the loaders, with what to set; the flag is left as it was.
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False)
+    data = make(tiny_dir, prepared)
+    data.trainer = trainer
+    with pytest.raises(
+        DistributedSamplerError, match=r"2 ranks itself: build the Trainer with use_distributed_sampler"
+    ):
+        data.setup("fit")
+    data.trainer = None
+    data.setup("fit")
+    data.trainer = trainer
+    for hook in (data.train_dataloader, data.val_dataloader):
+        with pytest.raises(DistributedSamplerError, match="use_distributed_sampler=False"):
+            hook()
+    assert trainer._accelerator_connector.use_distributed_sampler is True  # read, never written
+    data.trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, use_distributed_sampler=False)
+    assert len(data.train_dataloader()) > 0
+
     per_rank = []
     for rank in range(2):
         data = make(tiny_dir, prepared)
         data.setup("fit")
-        connector = SimpleNamespace(use_distributed_sampler=True)
+        connector = SimpleNamespace(use_distributed_sampler=False)
         data.trainer = SimpleNamespace(
             world_size=2, global_rank=rank, current_epoch=0, _accelerator_connector=connector
         )
         loader = data.train_dataloader()
-        assert connector.use_distributed_sampler is False
         assert len(list(loader)) == len(loader)
         per_rank.append([tuple(b) for b in loader.batch_sampler])
     # Same number of batches on each rank; together they cover every clip, and only the batch
@@ -211,9 +239,21 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
         "data:\n  class_path: tts_lightning.SpeakerClipsDataModule\n  init_args:\n"
         f"    pretrained: {tiny_dir}\n    train_manifest: {prepared}\n    max_frames_per_batch: 400\n"
     )
-    assert prepare_command(["--config", str(config)]) == 0
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addHandler(handler)
+    try:
+        assert prepare_command(["--config", str(config)]) == 0
+    finally:
+        rank_zero_logger.removeHandler(handler)
     out = capsys.readouterr().out
-    assert "accepted 24 clips" in out and "speakers: alice, bob" in out
+    assert "speakers: alice, bob" in out
+    # The summary once: printed, not logged as well (in full, or as "data report unchanged").
+    assert out.count("accepted 24 clips") == 1, out
+    assert not [line for line in lines if "data report" in line or "accepted 24 clips" in line], lines
+    assert any(line.startswith("prepared 24 clips") for line in lines), lines
 
     # Flat flags, a flat data: section, and a failure.
     assert (

@@ -1,4 +1,5 @@
-"""Length-bucketed batches with a padding-aware frame cap, split evenly across ranks, resumable mid-epoch."""
+"""Length-bucketed batches with a padding-aware frame cap, split evenly across ranks, resumable mid-epoch;
+and the two shims that hand them to a DataLoader under Lightning (`BatchSamplerView`, `ResumableDataLoader`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -213,3 +214,29 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         consumed = min(consumed, len(self))
         self._consumed = consumed
         self._resume_from = consumed
+
+
+class BatchSamplerView(Sampler[list[int]]):
+    """Hands a `LengthBucketBatchSampler` to a DataLoader. Lightning calls ``set_epoch`` on
+    ``dataloader.batch_sampler.sampler`` at every epoch start, which is the bucket sampler here."""
+
+    def __init__(self, sampler: LengthBucketBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it can resume mid-epoch. The position itself is saved by
+    `SpeakerClipsDataModule.state_dict` (the train sampler's epoch and consumed batches), so these
+    hold nothing; without them Lightning warns that a mid-epoch resume is unreliable."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

@@ -61,8 +61,10 @@ def _verify_cache(data) -> tuple[int, int]:
     range); remove the bad ones (a warning names each) so that `prepare` encodes them again."""
     from tts_lightning.data.codec_cache import CodecCache
 
-    h = data.hparams
-    cache = CodecCache(data.cache_dir, data.pretrained_info, normalize=h.normalize, trim_silence=h.trim_silence)
+    settings = data.settings
+    cache = CodecCache(
+        data.cache_dir, data.pretrained_info, normalize=settings.normalize, trim_silence=settings.trim_silence
+    )
     names: dict[str, str] = {}
     try:  # name the clip of each file, from the last index, when there is one
         names = {e["codes"]: e["audio"] for e in json.loads(data.prepared_path.read_text(encoding="utf-8"))["clips"]}
@@ -157,7 +159,8 @@ def prepare_command(argv: list[str]) -> int:
         data = SpeakerClipsDataModule(**kwargs)
         if cfg.verify:
             checked, bad = _verify_cache(data)
-        report = data.prepare(ray_workers=cfg.ray.num_workers, ray_address=cfg.ray.address)
+        # The summary is printed below, once: not logged by prepare as well.
+        report = data.prepare(ray_workers=cfg.ray.num_workers, ray_address=cfg.ray.address, show_report=False)
     except WriteError as exc:
         if exc.disk_full and data is not None:
             rest = _remaining_need(data, exc)

@@ -11,7 +11,7 @@ def _prepared_from_config(config: Path) -> Path:
     """The cache folder of a training config's data (``data.cache_dir``, else the manifest's default)."""
     import yaml
 
-    from tts_lightning.data.datamodule import default_cache_dir
+    from tts_lightning.data.prepare import default_cache_dir
     from tts_lightning.evaluation.evaluate import EvaluationError
 
     if not config.is_file():

@@ -1,0 +1,637 @@
+"""Preparing speaker clips for training, without Lightning: validate, encode, embed and index.
+
+`DataPreparer` does the slow, write-once work `SpeakerClipsDataModule.prepare_data` (and
+`tts-lightning prepare`) run: read the manifests, validate every clip (memoised, ``report.json``),
+split train/val, encode missing codes into the codec cache, compute the speaker embeddings and
+write ``prepared.json``. `PreparedIndex` is that file, typed; `PreparedIndex.to_json` writes the
+very same JSON (``PREPARED_VERSION`` 1) as before it was typed.
+
+Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_cache``)::
+
+    report.json                    accepted / rejected clips and why
+    prepared.json                  the settings, the speakers and every clip (hash, text, speaker,
+                                   language, frames, codes file, train/val split)
+    validation/<manifest>.json     the memoised validation of each manifest
+    codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
+    speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
+
+from tts_lightning.data.codec_cache import CodecCache
+from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
+from tts_lightning.data.progress import EncodeProgress
+from tts_lightning.data.speakers import compute_speaker_table, select_references
+from tts_lightning.data.subtitles import Segment, cut_subtitled, subtitle_speakers
+from tts_lightning.data.validation import AcceptedClip, ValidationConfig, ValidationReport, validate_clips
+from tts_lightning.files import atomic_write_json
+from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
+from tts_lightning.model.sequence import SpecialIds
+
+PREPARED_VERSION = 1
+VALIDATION_MEMO_VERSION = 2
+CACHE_DIR_NAME = ".tts_lightning_cache"
+
+
+def default_cache_dir(manifest: str | os.PathLike) -> Path:
+    """``<manifest folder>/.tts_lightning_cache``; a user cache folder when that is not writable
+    (e.g. a manifest inside an installed package)."""
+    path = Path(manifest).expanduser().absolute()
+    folder = path if path.is_dir() else path.parent
+    candidate = folder / CACHE_DIR_NAME
+    if os.access(candidate if candidate.is_dir() else folder, os.W_OK):
+        return candidate
+    root = os.environ.get("TTS_LIGHTNING_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tts-lightning"
+    )
+    return Path(root) / "prepared" / hashlib.sha256(str(path).encode()).hexdigest()[:12]
+
+
+def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) -> set[str]:
+    """Content hashes of the validation clips: the ``round(val_fraction * n)`` clips (at least 1
+    when val_fraction > 0 and n >= 2, never all) with the smallest seeded hash. Depends only on
+    the seed and the clips' contents, not on manifest order, so it is stable across runs."""
+    n = len(clips)
+    if val_fraction <= 0 or n < 2:
+        return set()
+    n_val = min(n - 1, max(1, round(val_fraction * n)))
+    ranked = sorted(clips, key=lambda c: hashlib.sha256(f"{seed}:{c.content_hash}".encode()).hexdigest())
+    return {c.content_hash for c in ranked[:n_val]}
+
+
+def _file_stamp(path: Path | None) -> list[int] | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def validate_with_memo(manifest: ManifestResult, config: ValidationConfig, memo_path: Path) -> ValidationReport:
+    """`validate_clips`, remembered in ``memo_path``: while the manifest's entries, the
+    validation settings and every referenced file's size and modification time are unchanged,
+    the previous outcome is reused instead of reading and decoding every clip again."""
+    h = hashlib.sha256(json.dumps({"version": VALIDATION_MEMO_VERSION, "config": asdict(config)}).encode())
+    for r in manifest.records:
+        h.update(repr((r, _file_stamp(r.audio), _file_stamp(r.ref_audio))).encode())
+    for rej in manifest.rejected:
+        h.update(repr(rej).encode())
+    fingerprint = h.hexdigest()
+    if memo_path.is_file():
+        try:
+            memo = json.loads(memo_path.read_text(encoding="utf-8"))
+            if memo.get("fingerprint") == fingerprint:
+                return ValidationReport(
+                    accepted=[AcceptedClip(manifest.records[i], d, c) for i, d, c in memo["accepted"]],
+                    rejected=[Rejection(**r) for r in memo["rejected"]],
+                    config=config,
+                    warnings=[Rejection(**w) for w in memo["warnings"]],
+                )
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass  # unreadable memo: validate again
+    report = validate_clips(manifest.records, config, manifest_rejections=manifest.rejected)
+    position = {id(r): i for i, r in enumerate(manifest.records)}
+    atomic_write_json(
+        memo_path,
+        {
+            "fingerprint": fingerprint,
+            "accepted": [[position[id(c.record)], c.duration, c.content_hash] for c in report.accepted],
+            "rejected": [asdict(r) for r in report.rejected],
+            "warnings": [asdict(w) for w in report.warnings],
+        },
+    )
+    return report
+
+
+def load_codes_shape(path: Path) -> tuple[int, ...]:
+    """The shape of a cached ``.npy`` codes file, from its header alone."""
+    with open(path, "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, _ = read(fh)
+    return tuple(shape)
+
+
+# -- the settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """What preparing the data depends on (the `SpeakerClipsDataModule` arguments of the same
+    names; see its docstring)."""
+
+    pretrained: str
+    train_manifest: str
+    val_manifest: str | None = None
+    val_fraction: float = 0.1
+    cache_dir: str | None = None
+    speakers: tuple[str, ...] | None = None
+    default_speaker: str = "speaker"
+    language: str | None = None
+    seed: int = 0
+    min_duration: float = 0.5
+    max_duration: float = 30.0
+    manifest_encoding: str | None = None
+    max_clipped_fraction: float = 0.001
+    clipped_action: Literal["reject", "flag"] = "reject"
+    max_rate_zscore: float = 3.5
+    mismatch_action: Literal["reject", "flag"] = "reject"
+    subtitle_target_seconds: float = 10.0
+    normalize: Literal["peak", "rms"] | None = None
+    trim_silence: bool = False
+    num_reference_clips: int = 3
+    encode_batch_size: int = 8
+    prepare_device: str | None = None
+
+    def validation_config(self) -> ValidationConfig:
+        return ValidationConfig(
+            min_duration=self.min_duration,
+            max_duration=self.max_duration,
+            max_clipped_fraction=self.max_clipped_fraction,
+            clipped_action=self.clipped_action,
+            max_rate_zscore=self.max_rate_zscore,
+            mismatch_action=self.mismatch_action,
+        )
+
+
+# -- the prepared index (prepared.json) -----------------------------------------------------------
+
+
+@dataclass
+class PreparedSpeaker:
+    """A speaker of the run: its row key in the speaker table and the clips its embedding averages."""
+
+    name: str
+    key: str
+    references: list[str]
+
+
+@dataclass
+class PreparedClip:
+    """One clip to train or validate on; ``codes`` is relative to the cache folder."""
+
+    audio: str
+    source: str
+    content_hash: str
+    text: str
+    speaker: str
+    language: str
+    duration: float
+    frames: int
+    codes: str
+    split: Literal["train", "val"]
+
+
+@dataclass
+class PreparedIndex:
+    """``prepared.json``: the settings it was prepared with, the speakers and every clip. The field
+    names and order are the file's keys (`to_json` / `from_json`)."""
+
+    version: int
+    settings: dict[str, Any]
+    tokenizer_id: str
+    speaker_table: str  # relative to the cache folder
+    speakers: list[PreparedSpeaker] = field(default_factory=list)
+    clips: list[PreparedClip] = field(default_factory=list)
+
+    @property
+    def speaker_names(self) -> list[str]:
+        return [s.name for s in self.speakers]
+
+    def split(self, name: Literal["train", "val"]) -> list[PreparedClip]:
+        return [c for c in self.clips if c.split == name]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PreparedIndex:
+        return cls(
+            version=int(data["version"]),
+            settings=dict(data.get("settings", {})),
+            tokenizer_id=str(data["tokenizer_id"]),
+            speaker_table=str(data["speaker_table"]),
+            speakers=[
+                PreparedSpeaker(str(s["name"]), str(s["key"]), [str(r) for r in s["references"]])
+                for s in data["speakers"]
+            ],
+            clips=[
+                PreparedClip(
+                    audio=str(c["audio"]),
+                    source=str(c["source"]),
+                    content_hash=str(c["content_hash"]),
+                    text=str(c["text"]),
+                    speaker=str(c["speaker"]),
+                    language=str(c["language"]),
+                    duration=float(c["duration"]),
+                    frames=int(c["frames"]),
+                    codes=str(c["codes"]),
+                    split="val" if c["split"] == "val" else "train",
+                )
+                for c in data["clips"]
+            ],
+        )
+
+
+@dataclass
+class Plan:
+    """What `DataPreparer.plan` decided before encoding: the report and the clips to train on."""
+
+    report: ValidationReport
+    speakers: list[str]
+    clips: list[AcceptedClip]
+    val_hashes: set[str]
+    languages: dict[str, str]  # content hash -> language
+
+
+@dataclass
+class Prepared:
+    """What `DataPreparer.prepare` returns: the validation report and the index it wrote."""
+
+    report: ValidationReport
+    index: PreparedIndex
+
+
+# -- the preparer ---------------------------------------------------------------------------------
+
+
+class DataPreparer:
+    """Prepares the data of one `PrepareSettings` into its cache folder.
+
+    An instance remembers the report it last showed, so that preparing twice in one run (e.g.
+    ``data.prepare()`` and then ``trainer.fit``, whose ``prepare_data`` prepares again) shows it once.
+    """
+
+    def __init__(self, settings: PrepareSettings) -> None:
+        self.settings = settings
+        self._info: PretrainedInfo | None = None
+        self._manifest_speakers: list[str] | None = None
+        self._logged_report: str | None = None  # JSON text of the report last shown
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> PretrainedInfo:
+        if self._info is None:
+            self._info = check_pretrained(self.settings.pretrained)
+        return self._info
+
+    @property
+    def cache_dir(self) -> Path:
+        if self.settings.cache_dir:
+            return Path(self.settings.cache_dir).expanduser().absolute()
+        return default_cache_dir(self.settings.train_manifest)
+
+    @property
+    def report_path(self) -> Path:
+        return self.cache_dir / "report.json"
+
+    @property
+    def prepared_path(self) -> Path:
+        return self.cache_dir / "prepared.json"
+
+    def index_settings(self) -> dict[str, Any]:
+        """Everything prepared.json depends on; `read_index` refuses an index written for other settings."""
+        s = self.settings
+
+        def absolute(p: str | None) -> str | None:
+            return None if p is None else str(Path(p).expanduser().absolute())
+
+        return {
+            "pretrained": str(self.info.path),
+            "train_manifest": absolute(s.train_manifest),
+            "val_manifest": absolute(s.val_manifest),
+            "val_fraction": s.val_fraction,
+            "seed": s.seed,
+            "speakers": None if s.speakers is None else list(s.speakers),
+            "default_speaker": s.default_speaker,
+            "language": s.language,
+            "min_duration": s.min_duration,
+            "max_duration": s.max_duration,
+            "manifest_encoding": s.manifest_encoding,
+            "max_clipped_fraction": s.max_clipped_fraction,
+            "clipped_action": s.clipped_action,
+            "max_rate_zscore": s.max_rate_zscore,
+            "mismatch_action": s.mismatch_action,
+            "subtitle_target_seconds": s.subtitle_target_seconds,
+            "normalize": s.normalize,
+            "trim_silence": s.trim_silence,
+            "num_reference_clips": s.num_reference_clips,
+        }
+
+    def requested_speakers(self) -> list[str]:
+        """The ``speakers`` setting, else every speaker the training manifest names, sorted."""
+        s = self.settings
+        if s.speakers is not None:
+            return list(s.speakers)
+        if self._manifest_speakers is None:
+            records = load_manifest(s.train_manifest, s.default_speaker, s.manifest_encoding).records
+            speakers: set[str] = set()
+            for r in records:
+                speakers |= {r.speaker} if r.subtitles is None else subtitle_speakers(r, s.manifest_encoding)
+            self._manifest_speakers = sorted(speakers)
+        return list(self._manifest_speakers)
+
+    # -- the whole job ------------------------------------------------------------------------
+
+    def prepare(self, *, ray_workers: int = 0, ray_address: str = "local", show_report: bool = True) -> Prepared:
+        """Validate, encode, embed and index the data; return the report and the index.
+
+        ``ray_workers`` > 0 encodes the codes on that many Ray Data workers
+        (`tts_lightning.data.ray_prepare`; a local Ray instance, or the cluster at ``ray_address``),
+        with the same bytes. ``show_report=False`` writes report.json without logging it: the
+        caller shows it (and this preparer does not show it again). Raises ValueError when the
+        training manifest has no usable clip (naming it and the main reasons) or a requested
+        speaker has no accepted clip.
+        """
+        plan = self.plan(show_report=show_report)
+        if ray_workers > 0:
+            from tts_lightning.data.ray_prepare import encode_with_ray
+
+            cache = self.codec_cache()
+            cache.verify(plan.clips)
+            encoded = encode_with_ray(
+                cache,
+                plan.clips,
+                num_workers=ray_workers,
+                batch_size=self.settings.encode_batch_size,
+                address=ray_address,
+            )
+            rank_zero_info(
+                f"codec cache: {encoded} clip(s) encoded on {ray_workers} Ray worker(s), "
+                f"{len(plan.clips) - encoded} already cached ({self.cache_dir})"
+            )
+        else:
+            self.encode(plan.clips)
+        return Prepared(plan.report, self.write_index(plan))
+
+    def prepare_on_all_ranks(
+        self, world: int, rank: int, finisher: bool, *, barrier: Callable[[str], None], device: str
+    ) -> None:
+        """The codec encoding of `prepare`, split over the ranks of a run (called on every rank
+        after one process per node validated the data). Each rank encodes every ``world``-th clip
+        (sorted by duration, so the shares are even) into the cache, with the same bytes a single
+        process writes; after a barrier the finishing rank encodes whatever it still cannot see
+        (nothing when ``cache_dir`` is shared storage; the other nodes' shares when each node has
+        its own disk), computes the speaker embeddings and writes the index; all ranks wait for it.
+        ``barrier(name)`` is the strategy's own (no tensors, any backend)."""
+        plan = self.plan(show_report=False, write_report=False)  # the same plan on every rank: memoised on disk
+        ordered = sorted(plan.clips, key=lambda c: (c.duration, c.content_hash))
+        self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
+        barrier("tts_lightning.prepare.encoded")
+        if finisher:
+            self.encode(plan.clips, device=device)
+            self.write_index(plan)
+        barrier("tts_lightning.prepare.indexed")
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def plan(self, *, show_report: bool = True, write_report: bool = True) -> Plan:
+        """Read the manifests, validate (memoised), and choose the clips, speakers, split and
+        languages; write the report when ``write_report`` and show it (once) when ``show_report``.
+        Raises as `prepare` says."""
+        s = self.settings
+        ids = SpecialIds.from_config(self.info.config)
+        config = s.validation_config()
+        cache = self.codec_cache()
+
+        train_manifest, segments = self._read_manifest(s.train_manifest)
+        train = validate_with_memo(train_manifest, config, self._validation_memo(s.train_manifest))
+        val: ValidationReport | None = None
+        if s.val_manifest is not None:
+            val_manifest, val_segments = self._read_manifest(s.val_manifest)
+            segments += val_segments
+            val = validate_with_memo(val_manifest, config, self._validation_memo(s.val_manifest))
+            # The same audio in both sets would make the validation loss meaningless.
+            in_train = {c.content_hash: c.record.source for c in train.accepted}
+            kept = []
+            for c in val.accepted:
+                if c.content_hash in in_train:
+                    val.rejected.append(
+                        Rejection(
+                            c.record.source,
+                            str(c.record.audio),
+                            "duplicate",
+                            f"same audio content as training clip {in_train[c.content_hash]}",
+                        )
+                    )
+                else:
+                    kept.append(c)
+            val.accepted = kept
+        for rep in (train, val):
+            if rep is not None:
+                _reject_bad_codes(rep, cache)
+
+        report = ValidationReport(
+            accepted=train.accepted + (val.accepted if val else []),
+            rejected=train.rejected + (val.rejected if val else []),
+            config=config,
+            warnings=train.warnings + (val.warnings if val else []),
+            segments=[asdict(seg) for seg in segments],
+        )
+        if write_report:
+            self._write_report(report, show=show_report)
+        train.raise_if_empty(s.train_manifest)
+        if val is not None and s.val_manifest is not None:
+            val.raise_if_empty(s.val_manifest)
+
+        # Speakers: all the manifest names (sorted) or the ones asked for; each needs clips.
+        found = sorted({c.record.speaker for c in train.accepted})
+        speakers = self.requested_speakers()
+        missing = [name for name in speakers if name not in found]
+        if missing:
+            why = (
+                "not found among the accepted training clips"
+                if s.speakers is not None
+                else "named by the manifest, but all of its clips were rejected"
+            )
+            raise ValueError(
+                f"speaker(s) {', '.join(map(repr, missing))} {why} of {s.train_manifest} "
+                f"(speakers with accepted clips: {', '.join(found) or 'none'}; see {self.report_path})"
+            )
+        chosen = set(speakers)
+
+        def select(clips: list[AcceptedClip]) -> list[AcceptedClip]:
+            return [c for c in clips if c.record.speaker in chosen]
+
+        train_clips = select(train.accepted)
+        if val is not None:
+            val_clips = select(val.accepted)
+            if not val_clips:
+                raise ValueError(f"{s.val_manifest}: no accepted clip of speakers {speakers}")
+            val_hashes = {c.content_hash for c in val_clips}
+            clips = train_clips + val_clips
+        else:
+            val_hashes = split_validation(train_clips, s.val_fraction, s.seed)
+            clips = train_clips
+        skipped = len(train.accepted) + (len(val.accepted) if val else 0) - len(clips)
+        if skipped and write_report:
+            rank_zero_info(f"{skipped} accepted clip(s) of other speakers are not used (speakers={speakers})")
+
+        languages = {}
+        for c in clips:
+            lang = s.language or c.record.language
+            try:
+                ids.language_id(lang)
+            except ValueError as exc:
+                raise ValueError(f"{c.record.source}: {exc}") from None
+            languages[c.content_hash] = lang
+        return Plan(report, speakers, clips, val_hashes, languages)
+
+    def codec_cache(self, device: str | None = None) -> CodecCache:
+        s = self.settings
+        return CodecCache(
+            self.cache_dir,
+            self.info,
+            normalize=s.normalize,
+            trim_silence=s.trim_silence,
+            device=device or s.prepare_device,
+        )
+
+    def encode(self, clips: list[AcceptedClip], *, device: str | None = None, log: str = "") -> int:
+        """Encode the codes of ``clips`` that are not cached yet; return how many were encoded."""
+        cache = self.codec_cache(device)
+        progress = EncodeProgress(f"{log}encoded")
+        cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
+        encoded = cache.encode_missing(clips, batch_size=self.settings.encode_batch_size, progress=progress)
+        cache.release()
+        rank_zero_info(
+            f"{log}codec cache: {encoded} clip(s) encoded, {len(clips) - encoded} already cached ({self.cache_dir})"
+        )
+        return encoded
+
+    def write_index(self, plan: Plan) -> PreparedIndex:
+        """Speaker embeddings and prepared.json (the clips' codes must all be cached)."""
+        s = self.settings
+        cache_dir = self.cache_dir
+        cache = self.codec_cache()
+        references = select_references(plan.clips, plan.speakers, s.num_reference_clips)
+        table = compute_speaker_table(
+            cache_dir,
+            self.info,
+            references,
+            normalize=s.normalize,
+            trim_silence=s.trim_silence,
+            device=s.prepare_device or "cpu",
+        )
+        clips = []
+        for c in plan.clips:
+            codes_rel = cache.relative_path(c)
+            clips.append(
+                PreparedClip(
+                    audio=str(c.record.audio),
+                    source=c.record.source,
+                    content_hash=c.content_hash,
+                    text=c.record.text,
+                    speaker=c.record.speaker,
+                    language=plan.languages[c.content_hash],
+                    duration=round(c.duration, 4),
+                    frames=int(load_codes_shape(cache_dir / codes_rel)[0]),
+                    codes=codes_rel,
+                    split="val" if c.content_hash in plan.val_hashes else "train",
+                )
+            )
+        assert table.path is not None  # compute_speaker_table saves the table
+        index = PreparedIndex(
+            version=PREPARED_VERSION,
+            settings=self.index_settings(),
+            tokenizer_id=cache.tokenizer_id,
+            speaker_table=table.path.relative_to(cache_dir).as_posix(),
+            speakers=[
+                PreparedSpeaker(n, k, [str(r.path) for r in references[n]]) for n, k in zip(table.names, table.keys)
+            ],
+            clips=clips,
+        )
+        atomic_write_json(self.prepared_path, index.to_json())
+        n_val = len(index.split("val"))
+        rank_zero_info(
+            f"prepared {len(clips)} clips ({len(clips) - n_val} train, {n_val} val) of "
+            f"{len(plan.speakers)} speaker(s) in {self.prepared_path}"
+        )
+        return index
+
+    def read_index_json(self) -> dict[str, Any]:
+        """prepared.json as JSON, checked against these settings (its version and settings)."""
+        path = self.prepared_path
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: run prepare_data() (or `tts-lightning prepare`) before setup()")
+        index = json.loads(path.read_text(encoding="utf-8"))
+        if index.get("version") != PREPARED_VERSION:
+            raise RuntimeError(
+                f"{path} has format version {index.get('version')}, expected {PREPARED_VERSION}; run prepare again"
+            )
+        ours, theirs = self.index_settings(), index.get("settings", {})
+        diff = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in ours.items() if theirs.get(k) != v]
+        if diff:
+            raise RuntimeError(f"{path} was prepared with other settings ({'; '.join(diff)}); run prepare again")
+        return index
+
+    def read_index(self) -> PreparedIndex:
+        """prepared.json, typed, checked as `read_index_json` says."""
+        return PreparedIndex.from_json(self.read_index_json())
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _read_manifest(self, path: str) -> tuple[ManifestResult, list[Segment]]:
+        """The manifest's records, long subtitled recordings cut into clips (cached in
+        ``<cache_dir>/segments``), and the segments cut."""
+        s = self.settings
+        manifest = load_manifest(path, s.default_speaker, s.manifest_encoding)
+        return cut_subtitled(
+            manifest,
+            self.cache_dir / "segments",
+            target_seconds=s.subtitle_target_seconds,
+            encoding=s.manifest_encoding,
+        )
+
+    def _validation_memo(self, manifest: str) -> Path:
+        name = hashlib.sha256(str(Path(manifest).expanduser().absolute()).encode()).hexdigest()[:16]
+        return self.cache_dir / "validation" / f"{name}.json"
+
+    def _write_report(self, report: ValidationReport, *, show: bool) -> None:
+        """Write report.json and, when ``show``, show the report once: in full when it is new; as
+        one line when report.json already held the same report (shown when it was written, e.g. by
+        `tts-lightning prepare` or another process); not at all when this instance already showed it."""
+        text = json.dumps(report.to_dict(), sort_keys=True)
+        if not show or text == self._logged_report:
+            report.write_json(self.report_path)
+            self._logged_report = text  # shown by the caller, or already
+            return
+        try:
+            unchanged = json.dumps(json.loads(self.report_path.read_text(encoding="utf-8")), sort_keys=True) == text
+        except (OSError, ValueError):
+            unchanged = False
+        report.write_json(self.report_path)
+        self._logged_report = text
+        if unchanged:
+            flagged = f", {len(report.warnings)} flagged" if report.warnings else ""
+            rank_zero_info(
+                f"data report unchanged ({self.report_path}): {len(report.accepted)} clips accepted, "
+                f"{len(report.rejected)} rejected{flagged}"
+            )
+        else:
+            rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
+
+
+def _reject_bad_codes(report: ValidationReport, cache: CodecCache) -> None:
+    kept = []
+    for c in report.accepted:
+        problem = cache.check_given_codes(c)
+        if problem is None:
+            kept.append(c)
+        else:
+            report.rejected.append(Rejection(c.record.source, str(c.record.audio), "malformed_entry", problem))
+    report.accepted = kept
