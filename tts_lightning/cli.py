@@ -100,11 +100,11 @@ class TTSLightningCLI(LightningCLI):
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         ckpt = trainer.checkpoint_callback
         if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
-            saved = [
+            paths = [
                 f"last: {ckpt.last_model_path}" if ckpt.last_model_path else "",
                 f"best: {ckpt.best_model_path}" if ckpt.best_model_path else "",
             ]
-            saved = "; ".join(s for s in saved if s) or "none written"
+            saved = "; ".join(s for s in paths if s) or "none written"
             print(f"checkpoints: {ckpt.dirpath} ({saved})")
         elif not trainer.checkpoint_callbacks:
             print("checkpoints: none (checkpointing is off)")
@@ -123,9 +123,12 @@ class TTSLightningCLI(LightningCLI):
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The default logger (a config's ``trainer.logger`` replaces it) and callbacks."""
+    """The default logger (a config's ``trainer.logger`` replaces it) and callbacks; and
+    ``use_distributed_sampler: False``, since `SpeakerClipsDataModule` deals its length-bucketed
+    batches to the ranks itself (it refuses a run of several processes with the flag on)."""
     return {
         "default_root_dir": "runs",
+        "use_distributed_sampler": False,
         "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="qwen3-tts"),
         "callbacks": [
             lazy_instance(LearningRateMonitor, logging_interval="step"),
