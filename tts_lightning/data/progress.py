@@ -45,6 +45,7 @@ class EncodeProgress:
         if self._first is None:
             self._first = (now, seconds)
         t0, s0 = self._first
+        eta: float | None
         if seconds > s0 and now > t0:
             eta = (now - t0) * (total - seconds) / (seconds - s0)
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -94,10 +95,10 @@ def encode_with_ray(
         init: dict = {"address": address, "include_dashboard": False, "log_to_driver": False}
         if address == "local":
             init["num_cpus"] = max(os.cpu_count() or 1, num_workers)
-            path = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            pythonpath = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
             init["runtime_env"] = {
                 "env_vars": {
-                    "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+                    "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                 }
             }
@@ -121,7 +122,7 @@ def encode_with_ray(
             num_cpus=1,
             num_gpus=num_gpus_per_worker,
         )
-        return int(encoded.sum("encoded") or 0)
+        return int(cast(int, encoded.sum("encoded")) or 0)  # one column: a number (None when empty)
     finally:
         if started:
             ray.shutdown()

@@ -140,7 +140,7 @@ class SpeakerEncoder:
             raise ValueError("no reference clips to embed")
         embeddings = []
         for p in paths:
-            wave = load_audio(p, TARGET_SAMPLE_RATE, normalize=normalize, trim_silence=trim_silence)
+            wave = load_audio(os.fspath(p), TARGET_SAMPLE_RATE, normalize=normalize, trim_silence=trim_silence)
             try:
                 embeddings.append(self.embed(wave))
             except RuntimeError as exc:  # e.g. a clip shorter than the mel window

@@ -131,6 +131,8 @@ def parse_subtitles(path: str | os.PathLike, encoding: str | None = None) -> lis
 
 def subtitle_speakers(record: ClipRecord, encoding: str | None = None) -> set[str]:
     """The speakers a subtitled record's clips will have (unreadable subtitles: the record's own)."""
+    if record.subtitles is None:
+        return {record.speaker}
     try:
         cues = parse_subtitles(record.subtitles, encoding)
     except (SubtitleError, ManifestEncodingError, OSError):
