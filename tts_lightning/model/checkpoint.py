@@ -5,8 +5,9 @@ written by FSDP with any number of ranks), reading only what is asked for.
   so a checkpoint whose pickle would run code is refused before any code runs. ``trust=True``
   (``--trust-checkpoint``) opts in to a full unpickle, for a legacy file you made yourself.
 - **Sharded**: the model's tensors are read from the ``torch.distributed.checkpoint`` files by key;
-  the optimizer state in the same files is never read. Hyper-parameters and the step come from
-  Lightning's ``meta.pt``.
+  the optimizer state in the same files is never read. Both layouts are read: FSDP1's (module state
+  under ``model.``) and FSDP2's (`Qwen3TTSFSDP2Strategy`, under ``state_dict.``). Hyper-parameters
+  and the step come from Lightning's ``meta.pt``.
 - **Full**: the file is memory-mapped, so its optimizer state is never read into memory either.
 """
 
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-MODEL_PREFIX = "model."  # Lightning's sharded layout: {"model": module state, "optimizer_0": ...}
+MODEL_PREFIX = "model."  # Lightning's FSDP1 sharded layout: {"model": module state, "optimizer_0": ...}
+FSDP2_PREFIX = "state_dict."  # FSDP2's (`Qwen3TTSFSDP2Strategy`): {"state_dict": module state, ...}
 TRUST_HINT = (
     "If you made this checkpoint yourself and trust it, pass --trust-checkpoint "
     "(trust=True in Python) to load it anyway."
@@ -70,17 +72,21 @@ class CheckpointReader:
         if not path.exists():
             raise CheckpointError(f"checkpoint {path} does not exist")
         self.sharded = path.is_dir()
+        self._prefix = MODEL_PREFIX  # of the module's keys in a sharded checkpoint
         try:
             if self.sharded:
                 if not (path / ".metadata").is_file():
                     raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
                 from torch.distributed.checkpoint import FileSystemReader
+                from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
                 metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                # FSDP2 nests the module state (whose own keys start with "model.") under "state_dict."
+                self._prefix = FSDP2_PREFIX if any(k.startswith(FSDP2_PREFIX) for k in metadata) else MODEL_PREFIX
                 self._sizes = {
-                    fqn[len(MODEL_PREFIX) :]: (m.size, m.properties.dtype)
+                    fqn[len(self._prefix) :]: (m.size, m.properties.dtype)
                     for fqn, m in metadata.items()
-                    if fqn.startswith(MODEL_PREFIX) and hasattr(m, "size")
+                    if fqn.startswith(self._prefix) and isinstance(m, TensorStorageMetadata)
                 }
                 meta_file = path / "meta.pt"
                 raw = _torch_load(meta_file, trust=trust) if meta_file.is_file() else {}
@@ -123,14 +129,14 @@ class CheckpointReader:
             return {k: self._full[k] if dtype is None else self._full[k].to(dtype) for k in keys}
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        target = {MODEL_PREFIX + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys}
+        target = {self._prefix + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys}
         try:
             with warnings.catch_warnings():  # no_dist is meant: one process reads
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 load(target, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
         except Exception as exc:
             raise CheckpointError(f"cannot read checkpoint {self.path}: {type(exc).__name__}: {exc}") from exc
-        return {k: target[MODEL_PREFIX + k] for k in keys}
+        return {k: target[self._prefix + k] for k in keys}
 
 
 def load_training_checkpoint(

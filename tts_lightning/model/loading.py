@@ -9,11 +9,17 @@ Under FSDP, `Qwen3TTSFSDPStrategy` hands `MetaWeights.materialize` to FSDP as ``
 each unit is materialized just before it is sharded: global rank 0 reads, every other rank receives
 the same bytes by a broadcast on the root device, and no rank holds more than one unsharded unit.
 Units are materialized in the same order on every rank, so the broadcasts always pair up.
+
+Under FSDP2 (`Qwen3TTSFSDP2Strategy`), ``fully_shard`` is applied to the meta model first, then
+``to_empty`` allocates each rank's shards and `MetaWeights.fill_sharded` fills them tensor by tensor:
+rank 0 reads one full tensor and scatters it (``distribute_tensor(src_data_rank=0)``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -94,8 +100,6 @@ class MetaWeights:
             )
 
     def materialize(self, module: nn.Module, *, device: torch.device | str = "cpu", broadcast: bool = False) -> None:
-        from tts_lightning.model.lora import checkpoint_key, init_adapter, is_adapter_key
-
         name = self.names.get(module)
         if name is None:
             return
@@ -108,15 +112,50 @@ class MetaWeights:
                 continue
             key = f"{name}.{param_name}" if name else param_name
             dtype = self.dtype if param.requires_grad else self.frozen_dtype
-            value = torch.empty(param.shape, dtype=dtype, device=device)
-            if reading:
-                if is_adapter_key(key):
-                    init_adapter(key, value, self.adapter_seed)
-                else:
-                    value.copy_(self.reader.read(checkpoint_key(key)))
+            value = self._full_value(key, param.shape, dtype, device, reading)
             if broadcast:
                 torch.distributed.broadcast(value, src=0)
             module._parameters[param_name] = nn.Parameter(value, requires_grad=param.requires_grad)
+
+    def _full_value(
+        self, key: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, reading: bool
+    ) -> torch.Tensor:
+        """The full tensor of parameter ``key`` (a name in the model given to ``__init__``): read from
+        the checkpoint (or initialised, for a LoRA adapter) when ``reading``, else uninitialised."""
+        from tts_lightning.model.lora import checkpoint_key, init_adapter, is_adapter_key
+
+        value = torch.empty(shape, dtype=dtype, device=device)
+        if reading:
+            if is_adapter_key(key):
+                init_adapter(key, value, self.adapter_seed)
+            else:
+                value.copy_(self.reader.read(checkpoint_key(key)))
+        return value
+
+    def fill_sharded(self, model: nn.Module, *, device: torch.device | str, broadcast: bool) -> None:
+        """Fill the parameters of ``model`` (the model given to ``__init__``) after FSDP2's
+        ``fully_shard`` and ``to_empty``: each parameter is a DTensor shard (or a plain tensor, left
+        outside every unit). Global rank 0 reads one full tensor at a time on ``device`` and
+        ``distribute_tensor(src_data_rank=0)`` scatters it, so each rank keeps only its shard; the
+        other ranks hold one uninitialised full-size receive buffer at a time. Parameters keep the
+        dtype they were sharded with. Every rank must call this, in the same order (it does: the
+        parameters are walked in registration order)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        device = torch.device(device)
+        reading = not broadcast or torch.distributed.get_rank() == 0
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                full = self._full_value(key, param.shape, param.dtype, device, reading)
+                if isinstance(param, DTensor):
+                    shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0)
+                    param.to_local().copy_(shard.to_local())
+                    del shard
+                else:
+                    if broadcast:
+                        torch.distributed.broadcast(full, src=0)
+                    param.copy_(full)
+                del full
 
     def materialize_all(self, model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Module:
         with torch.no_grad():
@@ -125,16 +164,32 @@ class MetaWeights:
         return model
 
 
-def copy_model(model: nn.Module, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def copy_model(
+    model: nn.Module,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> nn.Module:
     """A plain, frozen copy of ``model`` in ``dtype`` on ``device``, built from its parameters as they
-    are now (under FSDP: inside ``summon_full_params``, whose wrapper prefixes are dropped from the
+    are now (under FSDP1: inside ``summon_full_params``, whose wrapper prefixes are dropped from the
     names; peft LoRA adapters merged into their base weights). One parameter is copied at a time, so
-    the copy is the only extra memory (plus one merged weight at a time with LoRA)."""
+    the copy is the only extra memory (plus one merged weight at a time with LoRA).
+
+    ``state``: the full values to copy instead of the parameters' own, by ``model``'s parameter
+    names (under FSDP2, whose parameters are shards: the full state gathered to this rank's host
+    memory, e.g. by ``get_model_state_dict(model, full_state_dict=True, cpu_offload=True)``)."""
     from transformers.integrations.accelerate import init_empty_weights
 
     from tts_lightning.model.lora import MergedWeights
 
     source = MergedWeights(model)  # plain names; LoRA adapters (if any) merged as each is read
+    if state is not None:
+        # The same names and LoRA scalings, read from ``state``: the parameters are only shards.
+        missing = sorted(n for n in source._params if n not in state)
+        if missing:
+            raise KeyError(f"the state to copy lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}")
+        source._params = cast("dict[str, nn.Parameter]", {n: state[n] for n in source._params})  # read-only use
     with init_empty_weights(include_buffers=False):
         copy = type(model)(model.config)
     with torch.no_grad():

@@ -1,0 +1,73 @@
+"""A callback the FSDP2 tests put into real `tts-lightning fit` runs (imported by the ranks through
+PYTHONPATH): it records each rank's per-step loss and gradient norms before and after clipping, and
+under FSDP2 checks the sharded state (frozen parameters without gradients, DTensor gradients, the
+MRoPE ``inv_freq`` buffers fp32 and equal to a model built normally)."""
+
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+
+
+def _total_norm(grads) -> float:
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm(grads)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+class RecordSteps(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.steps: list[dict] = []
+        self.checked = False
+
+    def _fsdp2(self, trainer) -> bool:
+        from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
+
+        return isinstance(trainer.strategy, Qwen3TTSFSDP2Strategy)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not self._fsdp2(trainer):
+            return
+        from torch.distributed.tensor import DTensor
+
+        frozen = trainable = 0
+        for name, param in pl_module.named_parameters():
+            assert isinstance(param, DTensor), name
+            if not param.requires_grad:
+                assert param.grad is None, f"frozen {name} has gradient storage"
+                frozen += 1
+            elif param.grad is not None:
+                assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+                trainable += 1
+        assert frozen > 0 and trainable > 0, (frozen, trainable)
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.pre_clip = _total_norm(grads)
+        if not self.checked:
+            self._check_buffers(pl_module)
+            self.checked = True
+
+    def _check_buffers(self, pl_module) -> None:
+        from tts_lightning.model.loading import build_empty_model
+        from tts_lightning.model.pretrained import check_pretrained
+
+        reference = dict(build_empty_model(check_pretrained(pl_module.hparams.pretrained)).named_buffers())
+        mine = dict(pl_module.model.named_buffers())
+        assert reference.keys() == mine.keys() and any("inv_freq" in k for k in mine), sorted(mine)
+        for key, value in reference.items():
+            assert mine[key].dtype == torch.float32, (key, mine[key].dtype)
+            torch.testing.assert_close(mine[key].cpu(), value, rtol=0, atol=0, msg=key)
+        print(f"[fsdp2-check] rank {pl_module.global_rank}: frozen without grads, buffers ok", flush=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = {"step": trainer.global_step, "loss": float(outputs["loss"])}
+        if self._fsdp2(trainer):  # the gradients are still there, clipped, until the next step's zero_grad
+            step["pre_clip"] = self.pre_clip
+            step["post_clip"] = _total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])
+        self.steps.append(step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))

@@ -1,0 +1,155 @@
+"""`Qwen3TTSFSDP2Strategy` (FSDP2, `fully_shard`) in real `tts-lightning fit` runs with 2 CPU ranks:
+the same losses and weights as FSDP1 on the same batches, frozen parameters without gradients,
+clipping, checkpoints (full and sharded) and an exact resume after a crash mid-epoch."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.checkpoint import load_training_checkpoint
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+FSDP1 = REPO / "configs" / "tiny-cpu.yaml"
+FSDP2 = REPO / "configs" / "tiny-cpu-fsdp2.yaml"
+HERE = Path(__file__).parent
+STEPS, EVERY, CRASH = 8, 4, 6  # checkpoints at steps 4 and 8; the crash loses steps 5-6
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_dir):
+    root = tmp_path_factory.mktemp("fsdp2")
+    shutil.copytree(demo_dir(), root / "demo")
+    return root
+
+
+def fit(run_cli, workdir, tiny_dir, config, run, *extra, check=True):
+    record = json.dumps({"class_path": "fsdp2_callbacks.RecordSteps", "init_args": {"out": str(workdir / run)}})
+    args = [
+        "fit",
+        "--config",
+        config,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.default_root_dir",
+        workdir / run,
+        "--trainer.logger.init_args.save_dir",
+        workdir / run,
+        "--trainer.max_steps",
+        STEPS,
+        "--trainer.val_check_interval",
+        EVERY,
+        f"--trainer.callbacks+={record}",
+        *extra,
+    ]
+    return run_cli(*args, cwd=workdir, check=check, pythonpath=[HERE])
+
+
+def steps(run_dir, rank):
+    return json.loads((Path(run_dir) / f"steps-rank{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp1_run(run_cli, workdir, tiny_dir):
+    fit(run_cli, workdir, tiny_dir, FSDP1, "fsdp1")
+    return workdir / "fsdp1"
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(run_cli, workdir, tiny_dir):
+    proc = fit(run_cli, workdir, tiny_dir, FSDP2, "fsdp2", "--trainer.strategy.init_args.state_dict_type", "full")
+    return workdir / "fsdp2", proc.stdout + proc.stderr
+
+
+def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
+    run_dir, output = fsdp2_run
+    held = re.findall(r"\[rank (\d)\] FSDP2 fully_shard: ([\d,]+) of ([\d,]+) parameters held locally", output)
+    assert sorted(r for r, _, _ in held) == ["0", "1"]
+    for _, local, total in held:
+        assert 0.45 < int(local.replace(",", "")) / int(total.replace(",", "")) < 0.55
+    # frozen parameters have no gradient, gradients are DTensor shards, buffers are right (RecordSteps)
+    assert len(re.findall(r"\[fsdp2-check\] rank \d: frozen without grads, buffers ok", output)) == 2
+    for rank in (0, 1):
+        ref, new = steps(fsdp1_run, rank), steps(run_dir, rank)
+        assert [s["step"] for s in new] == [s["step"] for s in ref] == list(range(1, STEPS + 1))
+        torch.testing.assert_close([s["loss"] for s in new], [s["loss"] for s in ref], atol=1e-5, rtol=1e-5)
+        # clipping to gradient_clip_val=1.0 happened (the DTensor clip_grad_norm_), and only when needed
+        assert any(s["pre_clip"] > 1.05 for s in new)
+        for s in new:
+            assert s["post_clip"] == pytest.approx(min(s["pre_clip"], 1.0), rel=1e-4), s
+    ref = load_training_checkpoint(fsdp1_run / "checkpoints" / "last.ckpt")
+    new = load_training_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert new.path.is_file() and ref.path.is_dir()  # a full FSDP2 checkpoint, a sharded FSDP1 one
+    assert new.global_step == ref.global_step == STEPS
+    assert new.state_dict.keys() == ref.state_dict.keys()
+    for key, value in ref.state_dict.items():
+        torch.testing.assert_close(new.state_dict[key], value, atol=1e-5, rtol=1e-5, msg=key)
+    assert not torch.equal(
+        new.state_dict["model.talker.codec_head.weight"], _pretrained(new, "talker.codec_head.weight")
+    )
+
+
+def _pretrained(checkpoint, key):
+    from tts_lightning.model.pretrained import check_pretrained, load_state_dict
+
+    return load_state_dict(check_pretrained(checkpoint.hyper_parameters["pretrained"]), prefix=key)[key]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(run_cli, workdir, tiny_dir):
+    """Killed at step 6 (last sharded checkpoint at step 4), then resumed with `--ckpt_path last`."""
+    crash = json.dumps({"class_path": "crash_callbacks.CrashAt", "init_args": {"step": CRASH}})
+    crashed = fit(run_cli, workdir, tiny_dir, FSDP2, "resumed", f"--trainer.callbacks+={crash}", check=False)
+    assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout
+    last = workdir / "resumed" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and load_training_checkpoint(last).global_step == EVERY
+    assert not list(last.parent.glob(".*.partial"))  # written atomically
+    resumed = fit(run_cli, workdir, tiny_dir, FSDP2, "resumed", "--ckpt_path", "last")
+    assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
+    return workdir / "resumed"
+
+
+def test_fsdp2_resume_from_sharded_last_equals_uninterrupted(fsdp2_run, resumed_run):
+    """The resumed run ends with the weights of the uninterrupted one (which wrote full checkpoints)."""
+    straight_dir, _ = fsdp2_run
+    assert [s["step"] for s in steps(resumed_run, 0)] == list(range(EVERY + 1, STEPS + 1))
+    straight = load_training_checkpoint(straight_dir / "checkpoints" / "last.ckpt")
+    resumed = load_training_checkpoint(resumed_run / "checkpoints" / "last.ckpt")
+    assert resumed.path.is_dir() and len(list(resumed.path.glob("*.distcp"))) == 2  # DCP, one file per rank
+    assert resumed.global_step == straight.global_step == STEPS
+    assert straight.state_dict.keys() == resumed.state_dict.keys()
+    assert any(k.startswith("model.speaker_encoder.") for k in resumed.state_dict)
+    for key, value in straight.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_export_from_sharded_fsdp2_checkpoint_speaks(run_cli, resumed_run, workdir):
+    from qwen_tts import Qwen3TTSModel
+    from safetensors.torch import load_file
+
+    ckpt = resumed_run / "checkpoints" / "last.ckpt"
+    out = workdir / "voice"
+    run_cli("export", "--ckpt", ckpt, "--out", out, "--dtype", "fp32", cwd=workdir, timeout=300)
+    checkpoint = load_training_checkpoint(ckpt)
+    speakers = checkpoint.hyper_parameters["speakers"]
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    assert set(model.get_supported_speakers()) == set(speakers)
+    torch.manual_seed(0)
+    wavs, sr = model.generate_custom_voice(text="Hello there.", speaker=speakers[0])
+    assert sr == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
+    exported, weights = load_file(str(out / "model.safetensors")), checkpoint.model_state_dict()
+    assert set(exported) == {k for k in weights if not k.startswith("speaker_encoder.")}
+    for key, value in exported.items():
+        if key != "talker.model.codec_embedding.weight":  # gains the new speakers' rows
+            torch.testing.assert_close(value, weights[key], atol=0, rtol=0, msg=key)

@@ -1,0 +1,244 @@
+"""`Qwen3TTSFSDP2Strategy`: FSDP2 (``torch.distributed.fsdp.fully_shard``, per-parameter sharding) for
+Qwen3-TTS, on top of Lightning's `ModelParallelStrategy`; the alternative to the FSDP1
+`Qwen3TTSFSDPStrategy` (flat parameters per unit). Select it in YAML with
+``class_path: tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy``.
+
+Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the model on meta):
+- one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer
+  (``layer_classes``), each activation-checkpointed (``activation_checkpointing_policy``, composable
+  checkpoint: parameter names do not change);
+- ``groups``: module-name globs, each list one unit: the codec embeddings (the talker's and the code
+  predictor's, together), the 311M-parameter text embedding alone, the frozen speaker encoder alone
+  (never gathered: unused by the loss, and frozen parameters get no gradient);
+- the LightningModule itself as the root (its ``forward`` runs first each step), holding the rest.
+
+Every parameter is a DTensor sharded on dim 0 over all ranks; frozen ones have no gradient. Under
+``bf16-mixed`` the units compute in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``) while the sharded master weights, gradients and optimizer state stay fp32,
+and buffers (the MRoPE ``inv_freq``) are never cast. ``cpu_offload`` keeps the shards in host memory
+(``CPUOffloadPolicy``). Weights are loaded without a full copy on any rank: the meta model is
+sharded, ``to_empty`` allocates the shards, and global rank 0 reads and scatters one tensor at a
+time (`tts_lightning.model.loading.MetaWeights.fill_sharded`); the real buffers built with the
+model are kept. Checkpoints: ``sharded`` (torch.distributed.checkpoint, one file per rank) or ``full``
+(one file, gathered on rank 0), both written atomically (`AtomicCheckpoints`). CPU with gloo works
+(CI trains with real processes). Collectives only on the root device (NCCL refuses CPU tensors).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from tts_lightning.distributed.atomic import AtomicCheckpoints, split_cpu_threads
+from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, import_classes
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["DEFAULT_GROUPS", "DEFAULT_LAYERS", "Qwen3TTSFSDP2Strategy", "apply_fully_shard", "fsdp2_modules"]
+
+DEFAULT_LAYERS = (
+    "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
+    "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer",
+)
+# Module names (globs, relative to the Qwen3-TTS model) of the units other than the layers.
+DEFAULT_GROUPS = (
+    ("talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding.*"),
+    ("talker.model.text_embedding",),
+    ("speaker_encoder",),
+)
+
+
+class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
+    """FSDP2 for Qwen3-TTS. Every argument can be set from YAML under ``trainer.strategy.init_args``.
+
+    Args:
+        layer_classes: module classes (import paths) that each become a unit.
+        groups: lists of module-name globs (relative to the Qwen3-TTS model); each list is one unit.
+        activation_checkpointing_policy: module classes whose activations are recomputed in backward
+            (an empty list turns it off).
+        reshard_after_forward: free the gathered parameters of a unit after its forward (ZeRO-3,
+            less memory) or keep them until backward (ZeRO-2-like, one all-gather fewer per step).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state in host memory.
+        state_dict_type: ``sharded`` (torch.distributed.checkpoint, one file per rank) or ``full``.
+    """
+
+    # A LightningModule whose `configure_model` sees this flag leaves its parameters on the meta
+    # device with a `pending_weights` loader (`tts_lightning.model.loading.MetaWeights`).
+    materializes_meta_parameters = True
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        layer_classes: list[str] | None = None,
+        groups: list[list[str]] | None = None,
+        activation_checkpointing_policy: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.layer_classes = tuple(import_classes(DEFAULT_LAYERS if layer_classes is None else layer_classes))
+        self.groups = [list(g) for g in (DEFAULT_GROUPS if groups is None else groups)]
+        self.checkpoint_classes = tuple(
+            import_classes(
+                DEFAULT_CHECKPOINT if activation_checkpointing_policy is None else activation_checkpointing_policy
+            )
+        )
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+
+    # -- processes ---------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.root_device.type == "cpu" or self.cpu_offload:
+            split_cpu_threads(self.num_processes)  # CPU runs, or the CPU optimizer step under cpu_offload
+        self._setup_distributed()  # the process group, as ModelParallelStrategy does
+        # One data-parallel dimension over all ranks (ModelParallelStrategy's default mesh is 2D).
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- sharding ----------------------------------------------------------------------------
+    @property
+    def mixed_precision_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.precision_plugin.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def setup(self, trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        assert module is not None
+        if not isinstance(module, FSDPModule):
+            self._shard(module)
+        super().setup(trainer)
+        self._report_shards(module)
+
+    def _shard(self, module: nn.Module) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        model = getattr(module, "model", None)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(self).__name__} expects a LightningModule with the Qwen3-TTS model at `.model`")
+        apply_fully_shard(
+            module,
+            model,
+            layer_classes=self.layer_classes,
+            groups=self.groups,
+            checkpoint_classes=self.checkpoint_classes,
+            mesh=self.device_mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.mixed_precision_policy,
+            offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        )
+        weights = getattr(module, "pending_weights", None)
+        if weights is not None:
+            self._materialize(module, model, weights)
+            setattr(module, "pending_weights", None)
+
+    def _materialize(self, module: nn.Module, model: nn.Module, weights) -> None:
+        """``to_empty`` allocates every rank's shards (and would wipe the real buffers: they are
+        put back), then rank 0 reads and scatters the weights one tensor at a time."""
+        device = self.root_device
+        kept = [(sub, name, buf) for sub in module.modules() for name, buf in sub._buffers.items() if buf is not None]
+        module.to_empty(device=device)
+        for sub, name, buf in kept:
+            sub._buffers[name] = buf.to(device)  # same dtype: inv_freq stays fp32
+        weights.fill_sharded(model, device=device, broadcast=self.world_size > 1)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Generation calls the model's submodules, never the LightningModule's ``forward``: make the
+        LightningModule the root state here (FSDP2 otherwise takes the first unit called as its root)
+        and gather the root's own parameters (heads, norms, projections) for the step. The units
+        gather and free their parameters around each call, on every rank in lockstep, as under FSDP1."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        if not isinstance(module, FSDPModule):
+            return super().predict_step(*args, **kwargs)
+        module._get_fsdp_state()._lazy_init()  # no public API: FSDP2 initialises on the first forward
+        module.unshard()
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            module.reshard()
+
+    def _report_shards(self, module: nn.Module) -> None:
+        """Say on every rank how much of the model it holds (the first thing to check when memory
+        does not fit) and in how many units."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+        total = torch.tensor([local], dtype=torch.long, device=self.root_device)  # NCCL: never CPU
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+        units = len({id(m._get_fsdp_state()) for m in fsdp2_modules(module)}) if isinstance(module, FSDPModule) else 0
+        print(
+            f"[rank {self.global_rank}] FSDP2 fully_shard: {local:,} of {int(total):,} parameters held locally "
+            f"({100 * local / max(int(total), 1):.1f}%) in {units} units",
+            flush=True,
+        )
+
+
+def apply_fully_shard(
+    root: nn.Module,
+    model: nn.Module,
+    *,
+    layer_classes: tuple[type[nn.Module], ...],
+    groups: list[list[str]] | tuple[tuple[str, ...], ...],
+    checkpoint_classes: tuple[type[nn.Module], ...] = (),
+    **kwargs: Any,
+) -> None:
+    """The FSDP2 layout: composable activation checkpointing of ``checkpoint_classes``, one unit per
+    ``layer_classes`` module of ``model``, one per list of module-name globs in ``groups`` (the
+    outermost matching modules; the members of a list are one unit), then ``root`` (``model`` or a
+    module holding it, whose ``forward`` runs first). ``kwargs`` go to every ``fully_shard``."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    if checkpoint_classes:
+        for sub in model.modules():
+            if isinstance(sub, checkpoint_classes):
+                checkpoint(sub)
+    for sub in model.modules():
+        if isinstance(sub, layer_classes):
+            fully_shard(sub, **kwargs)
+    names = dict(model.named_modules())
+    for globs in groups:
+        matched = [name for name in names if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
+        # the outermost matches only: "speaker_encoder" takes the whole encoder as one unit
+        members = [names[n] for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
+        if not members:
+            raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
+        fully_shard(members if len(members) > 1 else members[0], **kwargs)
+    fully_shard(root, **kwargs)
+
+
+def fsdp2_modules(module: nn.Module) -> list[FSDPModule]:
+    """The modules of ``module`` managed by ``fully_shard`` (a group counts each of its members)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
