@@ -115,3 +115,79 @@ def test_frozen_base_dtype_follows_the_precision():
     assert LoRASettings(base_dtype="fp32").frozen_dtype("bf16-mixed") == torch.float32
     with pytest.raises(ValueError, match="bf16"):
         LoRASettings(base_dtype="bf16").frozen_dtype("32-true")
+
+
+@pytest.fixture(scope="module")
+def extras_checkpoint(tiny_dir, batch, tmp_path_factory):
+    """A LoRA run with ``talker.codec_head`` trained in full besides the adapters: 3 Lightning steps
+    in one process, saved by the trainer (adapters, the head, the speaker table, optimizer state)."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    module = _module(tiny_dir, adapter={**ADAPTER, "trainable": ["talker.codec_head"]}, learning_rate=1e-2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader([batch] * 3, batch_size=None))
+    path = tmp_path_factory.mktemp("lora-extras") / "extras.ckpt"
+    trainer.save_checkpoint(path)
+    return path, module.eval()
+
+
+def test_load_from_checkpoint_restores_adapters_and_extras(extras_checkpoint, tiny_dir, batch):
+    """`Qwen3TTSModule.load_from_checkpoint` of a (full-format) LoRA checkpoint, which holds only the
+    trainable tensors: the base comes from the pretrained directory, the rest from the checkpoint."""
+    from tts_lightning.model.checkpoint import load_training_checkpoint
+
+    path, trained = extras_checkpoint
+    stored = load_training_checkpoint(path).state_dict
+    assert "model.talker.codec_head.weight" in stored
+    assert not any(".base_layer." in k for k in stored)  # the frozen base is not in it
+    loaded = Qwen3TTSModule.load_from_checkpoint(path).eval()
+    assert loaded.adapter == trained.adapter and loaded.trainable_keys == trained.trainable_keys
+    expected = trained.state_dict()
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[key], atol=0, rtol=0, msg=key)
+    base = _module(tiny_dir).model
+    assert not torch.equal(loaded.model.talker.codec_head.weight, base.talker.codec_head.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch).loss, trained(batch).loss, atol=0, rtol=0)
+
+
+def test_adapter_only_export_with_extras_loads_in_peft(extras_checkpoint, tiny_dir, batch, tmp_path):
+    """`export --adapter-only` of a run that trained ``talker.codec_head`` in full: peft loads it onto
+    the base model built from the pretrained directory (the head as ``modules_to_save``) and gives
+    the logits of the merged export and of the training module."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tts_lightning.model.export import export_adapter, export_custom_voice
+    from tts_lightning.model.loading import MetaWeights, build_empty_model
+    from tts_lightning.model.loss import compute_loss
+
+    path, trained = extras_checkpoint
+    adapter = export_adapter(path, tmp_path / "adapter")
+    voice = export_custom_voice(path, tmp_path / "voice", dtype="fp32")
+    info = check_pretrained(tiny_dir)
+    base = MetaWeights(m := build_empty_model(info), info).materialize_all(m)
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    assert peft_model.peft_config["default"].modules_to_save == ["talker.codec_head"]
+    merged = MetaWeights(m := build_empty_model(info), info).materialize_all(m).eval()
+    merged.load_state_dict(load_file(str(voice / "model.safetensors")), strict=False)  # no speaker encoder
+    weight = trained.hparams.sub_talker_loss_weight
+    with torch.no_grad():
+        ours = compute_loss(peft_model.base_model.model.talker, batch, weight)
+        theirs = compute_loss(merged.talker, batch, weight)
+        training = trained(batch)
+        plain = compute_loss(_module(tiny_dir).eval().talker, batch, weight)
+    for out in (theirs, training):
+        torch.testing.assert_close(ours.talker_logits, out.talker_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.predictor_logits, out.predictor_logits, atol=1e-5, rtol=1e-5)
+    assert (ours.talker_logits - plain.talker_logits).abs().max() > 1e-3  # adapters and head trained
