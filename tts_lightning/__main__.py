@@ -1,126 +1,32 @@
-"""The `tts-lightning` command: LightningCLI subcommands plus the project's own tools."""
+"""The `tts-lightning` command: LightningCLI subcommands plus the project's own tools.
+
+This file only routes: each tool's arguments and code live next to its domain (``model/tiny_cli.py``,
+``data/prepare_cli.py``, ``model/export_cli.py``, ``model/synthesis_cli.py``, ``distributed/plan_cli.py``,
+``distributed/ray_cli.py``, ``evaluation/cli.py``), imported only when its command runs."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 def _tiny_model(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tts-lightning tiny-model",
-        description="Build a tiny random-weight Qwen3-TTS 12 Hz pretrained directory (offline).",
-    )
-    parser.add_argument("path", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-type", choices=("base", "custom_voice"), default="base")
-    args = parser.parse_args(argv)
-    from tts_lightning.model.tiny import build_tiny_pretrained
+    from tts_lightning.model.tiny_cli import tiny_model_command
 
-    print(build_tiny_pretrained(args.path, seed=args.seed, model_type=args.model_type))
-    return 0
+    return tiny_model_command(argv)
 
 
 def _synthesize(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tts-lightning synthesize",
-        description=(
-            "Speak texts with a custom_voice model (--speaker) or clone a voice with a base model (--ref-audio)."
-        ),
-    )
-    parser.add_argument("--model", required=True, help="model directory (exported, pretrained or tiny)")
-    parser.add_argument("--text", action="append", default=[], help="text to speak; repeat for several")
-    parser.add_argument("--text-file", type=Path, help="one text per line")
-    parser.add_argument("--speaker", help="speaker name of a custom_voice model")
-    parser.add_argument("--ref-audio", type=Path, help="reference clip for a base model")
-    parser.add_argument("--language", default="Auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int)
-    parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
-    args = parser.parse_args(argv)
-    texts = list(args.text)
-    if args.text_file:
-        texts += [t.strip() for t in args.text_file.read_text().splitlines() if t.strip()]
-    if not texts:
-        parser.error("give --text or --text-file")
+    from tts_lightning.model.synthesis_cli import synthesize_command
 
-    import soundfile as sf
-
-    from tts_lightning.model.synthesis import synthesize
-
-    wavs, sr = synthesize(
-        args.model,
-        texts,
-        speaker=args.speaker,
-        ref_audio=args.ref_audio,
-        language=args.language,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-    )
-    if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
-        outs = [args.out]
-    else:
-        args.out.mkdir(parents=True, exist_ok=True)
-        outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]
-    for wav, out in zip(wavs, outs):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sf.write(str(out), wav, sr)
-        print(f"{out}  {len(wav) / sr:.2f} s")
-    return 0
+    return synthesize_command(argv)
 
 
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tts-lightning export",
-        description="Export a training checkpoint (full file or sharded folder) to a qwen-tts custom_voice directory.",
-    )
-    parser.add_argument("--ckpt", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
-    parser.add_argument("--pretrained", help="base directory (default: the one the run trained from)")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="unpickle everything in the checkpoint (can run code: only for a file you trust)",
-    )
-    parser.add_argument(
-        "--adapter-only",
-        action="store_true",
-        help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
-        "instead of the merged custom_voice model",
-    )
-    args = parser.parse_args(argv)
-    from tts_lightning.model.checkpoint import CheckpointError
-    from tts_lightning.model.export import ExportError, export_adapter, export_custom_voice
-    from tts_lightning.model.pretrained import PretrainedError
+    from tts_lightning.model.export_cli import export_command
 
-    try:
-        if args.adapter_only:
-            out = export_adapter(
-                args.ckpt,
-                args.out,
-                pretrained=args.pretrained,
-                overwrite=args.overwrite,
-                trust_checkpoint=args.trust_checkpoint,
-            )
-        else:
-            out = export_custom_voice(
-                args.ckpt,
-                args.out,
-                dtype=args.dtype,
-                pretrained=args.pretrained,
-                overwrite=args.overwrite,
-                trust_checkpoint=args.trust_checkpoint,
-            )
-    except (ExportError, CheckpointError, PretrainedError) as exc:
-        print(f"tts-lightning export: error: {exc}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return export_command(argv)
 
 
 def _prepare(argv: list[str]) -> int:

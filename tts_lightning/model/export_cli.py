@@ -1,0 +1,63 @@
+"""`tts-lightning export`: a training checkpoint to a qwen-tts custom_voice directory
+(`tts_lightning.model.export`), or a LoRA run's adapter alone in peft's format.
+
+    tts-lightning export --ckpt runs/tiny-cpu/checkpoints/last.ckpt --out runs/voice
+    tts-lightning export --ckpt CKPT --out adapter/ --adapter-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def export_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning export",
+        description="Export a training checkpoint (full file or sharded folder) to a qwen-tts custom_voice directory.",
+    )
+    parser.add_argument("--ckpt", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    parser.add_argument("--pretrained", help="base directory (default: the one the run trained from)")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle everything in the checkpoint (can run code: only for a file you trust)",
+    )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
+        "instead of the merged custom_voice model",
+    )
+    args = parser.parse_args(argv)
+    from tts_lightning.model.checkpoint import CheckpointError
+    from tts_lightning.model.export import ExportError, export_adapter, export_custom_voice
+    from tts_lightning.model.pretrained import PretrainedError
+
+    try:
+        if args.adapter_only:
+            out = export_adapter(
+                args.ckpt,
+                args.out,
+                pretrained=args.pretrained,
+                overwrite=args.overwrite,
+                trust_checkpoint=args.trust_checkpoint,
+            )
+        else:
+            out = export_custom_voice(
+                args.ckpt,
+                args.out,
+                dtype=args.dtype,
+                pretrained=args.pretrained,
+                overwrite=args.overwrite,
+                trust_checkpoint=args.trust_checkpoint,
+            )
+    except (ExportError, CheckpointError, PretrainedError) as exc:
+        print(f"tts-lightning export: error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0

@@ -1,0 +1,58 @@
+"""`tts-lightning synthesize`: speak texts with a model directory (`tts_lightning.model.synthesis`).
+
+tts-lightning synthesize --model runs/voice --speaker alice --text "Hello." --out hello.wav
+tts-lightning synthesize --model BASE_DIR --ref-audio clip.wav --text-file texts.txt --out wavs/
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def synthesize_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tts-lightning synthesize",
+        description=(
+            "Speak texts with a custom_voice model (--speaker) or clone a voice with a base model (--ref-audio)."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="model directory (exported, pretrained or tiny)")
+    parser.add_argument("--text", action="append", default=[], help="text to speak; repeat for several")
+    parser.add_argument("--text-file", type=Path, help="one text per line")
+    parser.add_argument("--speaker", help="speaker name of a custom_voice model")
+    parser.add_argument("--ref-audio", type=Path, help="reference clip for a base model")
+    parser.add_argument("--language", default="Auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
+    args = parser.parse_args(argv)
+    texts = list(args.text)
+    if args.text_file:
+        texts += [t.strip() for t in args.text_file.read_text().splitlines() if t.strip()]
+    if not texts:
+        parser.error("give --text or --text-file")
+
+    import soundfile as sf
+
+    from tts_lightning.model.synthesis import synthesize
+
+    wavs, sr = synthesize(
+        args.model,
+        texts,
+        speaker=args.speaker,
+        ref_audio=args.ref_audio,
+        language=args.language,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
+    if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
+        outs = [args.out]
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]
+    for wav, out in zip(wavs, outs):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sf.write(str(out), wav, sr)
+        print(f"{out}  {len(wav) / sr:.2f} s")
+    return 0
