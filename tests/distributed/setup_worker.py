@@ -6,6 +6,11 @@ the second), and, once the strategy has set the model up, checks on every rank:
 - devices: every tensor handed to a collective by the strategy's shard report, the speaker-table
   sync and the strategy's reductions is on the root device, checked with the default device set to
   "meta" so that a tensor made without an explicit device (NCCL refuses CPU tensors) is caught;
+  the speaker table comes out the same on both ranks, with the rows of both ranks' speakers;
+- clipping: Lightning's path (`LightningModule.clip_gradients` -> the strategy's precision plugin)
+  clips by the norm of the whole gradient: before clipping, the sharded gradient's norm over both
+  ranks equals the norm of a plain model's gradient averaged over both ranks' batches, and after it
+  equals the clip value (clipping each rank's shard by its own norm would not);
 - codebooks: rank 1's batch has no codebook 1..15 in its codec channel while rank 0's has all; both
   run the forward through FSDP (a rank skipping a unit would hang or fail) and get the loss a plain
   model gives for their batch.
@@ -65,6 +70,43 @@ def reference_model(pretrained):
     return model.eval()
 
 
+def global_norm(tensors, device) -> float:
+    """The 2-norm over the tensors of every rank (each rank holding a disjoint part)."""
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        local += t.detach().double().pow(2).sum().to(device)
+    dist.all_reduce(local)
+    return float(local.sqrt())
+
+
+def clipping_checks(trainer, pl_module, reference, batch) -> dict:
+    strategy = trainer.strategy
+    with torch.enable_grad():
+        strategy.model(batch).loss.backward()
+        for name, param in reference.named_parameters():
+            param.requires_grad_(f"model.{name}" in pl_module.trainable_keys)
+        compute_loss(reference.talker, batch).loss.backward()
+    # The plain model's gradient, averaged over the ranks' batches as FSDP reduces it.
+    plain = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None]).double()
+    dist.all_reduce(plain)
+    plain /= dist.get_world_size()
+    reference.zero_grad(set_to_none=True)
+    shards = [p.grad for p in pl_module.parameters() if p.grad is not None]  # this rank's views
+    before = global_norm(shards, strategy.root_device)
+    clip_val = before / 2
+    optimizer = torch.optim.SGD([p for p in pl_module.parameters() if p.requires_grad], lr=0.0)
+    pl_module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm="norm")
+    after = global_norm(shards, strategy.root_device)
+    pl_module.zero_grad(set_to_none=True)
+    return {
+        "plugin": type(trainer.precision_plugin).__name__,
+        "grad_norm_plain": float(plain.norm()),
+        "grad_norm_fsdp": before,
+        "grad_norm_clipped": after,
+        "clip_val": clip_val,
+    }
+
+
 class Checks(L.Callback):
     def __init__(self, out: Path, pretrained: str):
         self.out, self.pretrained = out, pretrained
@@ -94,6 +136,11 @@ class Checks(L.Callback):
         result["collective_devices"] = sorted(set(recorder.seen))
         result["collectives"] = len(recorder.seen)
         result["root_device"] = str(strategy.root_device)
+        table = pl_module.speaker_embeddings
+        result["batch_speakers"] = sorted({int(i) for i in batch.speaker_index})
+        result["speaker_rows_filled"] = [i for i in range(len(table)) if bool(table[i].abs().sum() > 0)]
+        result["speaker_table"] = table.tolist()
+        result["clipping"] = clipping_checks(trainer, pl_module, reference, batch)
 
         if rank == 1:  # no codebook 1..15 anywhere in this rank's codec channel
             batch.codec_ids[..., 1:] = NO_CODEC
@@ -117,6 +164,7 @@ def main(pretrained, manifest, cache, out):
         strategy=Qwen3TTSFSDPStrategy(),
         precision="32-true",
         limit_val_batches=1,
+        inference_mode=False,  # validation under no_grad only: the clipping check runs a backward
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -35,6 +35,27 @@ def test_collectives_only_see_the_root_device(setup_results):
         assert result["collective_devices"] == [result["root_device"]], result
 
 
+def test_speaker_table_sync_through_the_strategy(setup_results):
+    """`Strategy.reduce` syncs the table: the same on both ranks, every speaker either rank saw."""
+    seen = sorted({s for result in setup_results for s in result["batch_speakers"]})
+    for result in setup_results:
+        assert result["speaker_rows_filled"] == seen, result["speaker_rows_filled"]
+    assert setup_results[0]["speaker_table"] == setup_results[1]["speaker_table"]
+
+
+def test_fsdp_clips_by_the_norm_over_all_shards(setup_results):
+    """Lightning's own path (`Trainer(gradient_clip_val=...)` ends in `LightningModule.clip_gradients`)
+    works under FSDP, the module knowing nothing of it: the strategy's precision plugin has the FSDP
+    root compute the norm over every shard, the norm of the unsharded model's gradient."""
+    for result in setup_results:
+        clip = result["clipping"]
+        assert clip["plugin"] == "Qwen3TTSFSDPPrecision"
+        assert clip["grad_norm_fsdp"] > 0
+        assert clip["grad_norm_fsdp"] == pytest.approx(clip["grad_norm_plain"], rel=1e-4)
+        assert clip["grad_norm_clipped"] == pytest.approx(clip["clip_val"], rel=1e-4)
+    assert setup_results[0]["clipping"]["grad_norm_fsdp"] == setup_results[1]["clipping"]["grad_norm_fsdp"]
+
+
 def test_a_rank_missing_codebooks_runs_the_same_units(setup_results):
     full, partial = setup_results
     assert full["codebooks_present"] == 16 and partial["codebooks_present"] == 1

@@ -184,6 +184,26 @@ def test_strategy_argument_accepts_a_strategy_name_too():
     assert parser.parse_args(["--strategy", "auto"]).strategy == "auto"
 
 
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_the_trainers_precision_becomes_the_clipping_plugin(precision):
+    """`Trainer(precision=...)` hands the strategy Lightning's FSDPPrecision (whose norm clipping
+    raises); the strategy keeps its settings (scaler included) in the plugin that clips through the
+    FSDP root (clipping by the global norm with 2 ranks: tests/distributed/test_real_size_paths.py)."""
+    import lightning as L
+
+    from tts_lightning.distributed.fsdp import Qwen3TTSFSDPPrecision
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=Qwen3TTSFSDPStrategy(), precision=precision, logger=False
+    )
+    plugin = trainer.precision_plugin
+    assert type(plugin) is Qwen3TTSFSDPPrecision and plugin.precision == precision
+    assert (plugin.scaler is not None) == (precision == "16-mixed")
+    with pytest.raises(RuntimeError, match="needs the FSDP root"):  # nothing wrapped yet
+        plugin.clip_grad_by_norm(torch.optim.SGD([nn.Parameter(torch.zeros(1))]), 1.0)
+
+
 # -- one rank of real FSDP on CPU ---------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -191,17 +211,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def process_group():
+    """One gloo rank for one test (cheap): no group is shared between tests."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
+    assert not dist.is_initialized(), "a process group leaked into this test"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -13,23 +13,37 @@ What it changes, and why:
 - Runs on CPU with gloo (FSDP1 needs ``device_id=cpu`` there; Lightning passes None), so CI trains
   with real FSDP processes, and gives each rank its share of the cores (also on GPU runs with
   ``cpu_offload``, where the optimizer steps on the CPU).
+- Clips gradients by their norm over all shards (`Trainer(gradient_clip_val=...)`, algorithm
+  ``norm``): its precision plugin asks the FSDP root, the only module that sees every shard
+  (Lightning's `FSDPPrecision` refuses norm clipping). The LightningModule knows nothing of FSDP.
 - Every tensor it hands to a collective lives on the root device: NCCL refuses CPU tensors.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+from torch.optim import Optimizer
 
 from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError, split_cpu_threads
 
-__all__ = ["CheckpointWriteError", "DEFAULT_CHECKPOINT", "DEFAULT_WRAP", "Qwen3TTSFSDPStrategy", "import_classes"]
+__all__ = [
+    "CheckpointWriteError",
+    "DEFAULT_CHECKPOINT",
+    "DEFAULT_WRAP",
+    "Qwen3TTSFSDPPrecision",
+    "Qwen3TTSFSDPStrategy",
+    "import_classes",
+]
 
 DEFAULT_WRAP = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
@@ -57,6 +71,37 @@ def import_classes(paths: list[str] | tuple[str, ...]) -> set[type[nn.Module]]:
             raise ValueError(f"{path!r} is not a torch.nn.Module class")
         classes.add(cls)
     return classes
+
+
+class Qwen3TTSFSDPPrecision(FSDPPrecision):
+    """Lightning's `FSDPPrecision`, plus gradient clipping by norm: the norm is over the gradient of
+    the whole model, so only the FSDP root can compute it (``FullyShardedDataParallel.clip_grad_norm_``
+    sums every rank's shards, and counts replicated shards once). Lightning's plugin has no reference
+    to the root and refuses; this one asks ``root()``, which `Qwen3TTSFSDPStrategy` points at its
+    wrapped model. Clipping by value needs no root (element by element) and is Lightning's.
+
+    `Qwen3TTSFSDPStrategy` makes one of these from whatever `FSDPPrecision` the Trainer gives it.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"],
+        scaler: Any = None,
+        root: Callable[[], nn.Module | None] | None = None,
+    ) -> None:
+        super().__init__(precision, scaler)
+        self.root = root
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = None if self.root is None else self.root()
+        if not isinstance(model, FullyShardedDataParallel):
+            raise RuntimeError(
+                "gradient clipping by norm under FSDP needs the FSDP root (the strategy's wrapped model), "
+                "and there is none yet"
+            )
+        model.clip_grad_norm_(clip_val)
 
 
 class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
@@ -133,6 +178,28 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
 
         return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
+    @property
+    def precision_plugin(self) -> FSDPPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:  # as Lightning's (a fresh default each time), with norm clipping
+            return Qwen3TTSFSDPPrecision("32-true", root=self._clipping_root)
+        assert isinstance(plugin, FSDPPrecision)
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """The Trainer's `FSDPPrecision` (from ``precision=``, or given to the strategy) becomes a
+        `Qwen3TTSFSDPPrecision` with the same settings, so that norm clipping works; a subclass of
+        the user's own is kept as it is."""
+        if type(plugin) is FSDPPrecision:
+            converted = Qwen3TTSFSDPPrecision(cast(Any, plugin.precision), root=self._clipping_root)
+            converted.scaler = plugin.scaler  # the same 16-mixed scaler (FSDPPrecision drops a given one)
+            plugin = converted
+        FSDPStrategy.precision_plugin.fset(self, plugin)  # type: ignore[attr-defined]
+
+    def _clipping_root(self) -> nn.Module | None:
+        return self.model
+
     # A LightningModule whose `configure_model` sees this flag may leave its parameters on the meta
     # device with a `pending_weights` loader (`tts_lightning.model.loading.MetaWeights`).
     materializes_meta_parameters = True
@@ -168,7 +235,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
             **kwargs,
         )
         if weights is not None:
-            model.pending_weights = None
+            setattr(model, "pending_weights", None)  # any LightningModule: an untyped attribute
         policy = self.kwargs.pop("auto_wrap_policy", None)
         try:
             return self._report_shards(super()._setup_model(wrapped))
@@ -182,9 +249,9 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         built with (from the pretrained directory); every trainable tensor must be there."""
         from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
 
-        module = self.lightning_module
+        module, model = self.lightning_module, self.model
         frozen = getattr(module, "frozen_keys", None)
-        if not frozen or getattr(module, "adapter", None) is None:
+        if not frozen or getattr(module, "adapter", None) is None or module is None or model is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(checkpoint_path))
         if _is_full_checkpoint(path):
@@ -206,12 +273,13 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
             if k.startswith("model.")
         }
         _check_trainable(module, stored, path)
-        with _get_sharded_state_dict_context(self.model):
-            state = self.model.state_dict()
+        # Lightning annotates this context manager as a Generator.
+        with cast(AbstractContextManager[None], _get_sharded_state_dict_context(model)):
+            state = model.state_dict()
             # Read what the checkpoint holds into the module's own (sharded) tensors; the frozen
             # ones keep their values, and the whole state goes back in (FSDP needs every key).
             load({"model": {k: v for k, v in state.items() if k in stored}}, checkpoint_id=path)
-            self.model.load_state_dict(state, strict=True)
+            model.load_state_dict(state, strict=True)
             if module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
                 reader = FileSystemReader(path=path)
                 for idx, optim in enumerate(self.optimizers):
@@ -220,7 +288,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
                         model_state_dict=state, optimizer_key=key, storage_reader=reader
                     )
                     optim.load_state_dict(
-                        FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=self.model, optim=optim)
+                        FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=model, optim=optim)
                     )
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
@@ -239,15 +307,17 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        model = self.model
+        assert model is not None, "the optimizer state is gathered after the model is set up"
         with FSDP.state_dict_type(
-            self.model,
+            model,
             StateDictType.FULL_STATE_DICT,
             FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
             FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
         ):
-            state = FSDP.optim_state_dict(self.model, optimizer)
+            state = FSDP.optim_state_dict(model, optimizer)
             if self.global_rank == 0:
-                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+                state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
             return state
 
     def _report_shards(self, model: nn.Module) -> nn.Module:
