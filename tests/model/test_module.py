@@ -91,3 +91,28 @@ def test_rejects_non_base_model(tiny_custom_voice_dir):
 
     with pytest.raises(PretrainedError, match="'base' is required"):
         Qwen3TTSModule(str(tiny_custom_voice_dir))
+
+
+def test_predict_batch_is_typed(tiny_dir):
+    """`collate_texts` makes a `PredictBatch` (defaults filled, lengths checked); the tools
+    `predict_step` loads stay out of the state dict and are loaded once."""
+    from tts_lightning.data.predict import PredictBatch, TextsDataset, collate_texts
+    from tts_lightning.model.generation import generation_defaults
+
+    items = list(TextsDataset(["Hi.", "Bye."], ["alice", "bob"], languages={"alice": "english"}))
+    batch = collate_texts(items)
+    assert isinstance(batch, PredictBatch) and len(batch) == 4
+    assert batch.texts == ["Hi.", "Hi.", "Bye.", "Bye."] and batch.speakers == ["alice", "bob"] * 2
+    assert batch.languages == ["english", "auto"] * 2 and batch.ids == ["0000", "0000", "0001", "0001"]
+    assert batch.padding == [False] * 4
+    plain = PredictBatch.from_mapping({"text": ["Hi."], "speaker": ["bob"]}, batch_idx=3)
+    assert (plain.languages, plain.ids, plain.padding) == (["auto"], ["0003_0"], [False])
+    with pytest.raises(ValueError, match="2 texts but 1 speakers"):
+        PredictBatch.build(["a", "b"], ["alice"])
+
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
+    keys = set(module.state_dict())
+    tools = module.predict_tools()
+    assert module.predict_tools() is tools  # loaded once
+    assert tools.generation == generation_defaults(tiny_dir) and tools.generation  # the directory's sampling
+    assert set(module.state_dict()) == keys and "_predict_tools" not in module.hparams

@@ -1,8 +1,9 @@
 """Prediction data: texts to speak with the run's speakers, and a writer for the audio.
 
 `TextsDataset` pairs every text with every requested speaker; `collate_texts` makes the batch
-`Qwen3TTSModule.predict_step` reads (a dict of lists). `PredictionWriter` writes each prediction as
-``<output_dir>/<id>_<speaker>.wav`` (24 kHz, 16-bit) with the text beside it in a ``.txt``.
+`Qwen3TTSModule.predict_step` reads: a `PredictBatch`, defined beside the generation code it feeds
+(`tts_lightning.model.generation`: nothing in ``model/`` imports ``data/``). `PredictionWriter`
+writes each prediction as ``<output_dir>/<id>_<speaker>.wav`` (24 kHz, 16-bit) with the text beside it in a ``.txt``.
 
 Under FSDP every rank must run the same number of generation steps in lockstep, so the dataset
 shards itself: each rank gets the same number of items, the last ones padded with repeats that are
@@ -23,7 +24,19 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
 
-BATCH_KEYS = ("text", "speaker", "language", "id", "padding")
+from tts_lightning.model.generation import PredictBatch
+
+BATCH_KEYS = ("text", "speaker", "language", "id", "padding")  # the item keys `collate_texts` reads
+
+__all__ = [
+    "BATCH_KEYS",
+    "PredictBatch",
+    "PredictionWriter",
+    "TextsDataset",
+    "collate_texts",
+    "read_texts",
+    "speaker_languages",
+]
 
 
 def read_texts(texts: Sequence[str] | None = None, texts_file: str | os.PathLike | None = None) -> list[str]:
@@ -102,9 +115,20 @@ class TextsDataset(Dataset):
         return dict(self.items[index])
 
 
-def collate_texts(items: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """A predict batch: a dict of lists (strings stay strings)."""
-    return {key: [item[key] for item in items] for key in BATCH_KEYS if all(key in item for item in items)}
+def collate_texts(items: Sequence[Mapping[str, Any]]) -> PredictBatch:
+    """The predict batch of `TextsDataset` items (``text`` and ``speaker``; ``language``, ``id`` and
+    ``padding`` where every item has them)."""
+
+    def column(key: str) -> list[Any] | None:
+        return [item[key] for item in items] if all(key in item for item in items) else None
+
+    return PredictBatch.build(
+        [item["text"] for item in items],
+        [item["speaker"] for item in items],
+        languages=column("language"),
+        ids=column("id"),
+        padding=column("padding"),
+    )
 
 
 _UNSAFE = re.compile(r"[^\w.\-]+")

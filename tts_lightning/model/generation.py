@@ -16,7 +16,8 @@ Two traps are handled here rather than at every call site:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,19 +27,85 @@ from torch import Tensor, nn
 SAMPLE_RATE = 24_000
 
 
+@dataclass
+class PredictBatch:
+    """What `Qwen3TTSModule.predict_step` speaks: row ``i`` is ``texts[i]`` said by ``speakers[i]``
+    (a name of the run's speakers) in ``languages[i]``. ``ids`` name the rows' files; ``padding``
+    marks rows added only to give every rank the same number of steps (generated, never written).
+
+    Made by `tts_lightning.data.predict.collate_texts`; `from_mapping` reads a dict of lists
+    (``text``, ``speaker`` and optionally ``language``, ``id``, ``padding``)."""
+
+    texts: list[str]
+    speakers: list[str]
+    languages: list[str]
+    ids: list[str]
+    padding: list[bool]
+
+    def __post_init__(self) -> None:
+        n = len(self.texts)
+        for name in ("speakers", "languages", "ids", "padding"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"predict batch has {n} texts but {len(getattr(self, name))} {name}")
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @classmethod
+    def build(
+        cls,
+        texts: Sequence[str],
+        speakers: Sequence[str],
+        languages: Sequence[str] | None = None,
+        ids: Sequence[str] | None = None,
+        padding: Sequence[bool] | None = None,
+        batch_idx: int = 0,
+    ) -> PredictBatch:
+        """A batch with defaults: languages "auto", ids ``<batch_idx>_<row>``, no padding."""
+        n = len(texts)
+        return cls(
+            texts=list(texts),
+            speakers=list(speakers),
+            languages=[lang or "auto" for lang in languages] if languages is not None else ["auto"] * n,
+            ids=[str(i) for i in ids] if ids is not None else [f"{batch_idx:04d}_{i}" for i in range(n)],
+            padding=[bool(p) for p in padding] if padding is not None else [False] * n,
+        )
+
+    @classmethod
+    def from_mapping(cls, batch: Mapping[str, Sequence[Any]], batch_idx: int = 0) -> PredictBatch:
+        """A dict of lists: ``text`` and ``speaker``, optionally ``language``, ``id``, ``padding``."""
+        return cls.build(
+            batch["text"],
+            batch["speaker"],
+            batch.get("language"),
+            batch.get("id"),
+            batch.get("padding"),
+            batch_idx=batch_idx,
+        )
+
+
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the talker's weights compute in: FSDP's ``param_dtype`` when a mixed-precision FSDP
     unit manages the model, else the dtype of the codec-embedding weights (never ``module.dtype``)."""
+    fsdp: tuple[type, ...] = ()
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
+
+        fsdp = (FullyShardedDataParallel,)
     except ImportError:  # pragma: no cover - torch without distributed
-        FullyShardedDataParallel = ()  # type: ignore[assignment]
+        pass
     for module in model.modules():
-        if isinstance(module, FullyShardedDataParallel):
+        if isinstance(module, fsdp):
             param_dtype = getattr(getattr(module, "mixed_precision", None), "param_dtype", None)
             if param_dtype is not None:
                 return param_dtype
-    return model.talker.get_input_embeddings().weight.dtype
+    return _input_embeddings(model).weight.dtype
+
+
+def _input_embeddings(model: nn.Module) -> nn.Embedding:
+    """The talker's codec embedding (typed: `nn.Module` attribute access is untyped)."""
+    talker: Any = model.talker
+    return talker.get_input_embeddings()
 
 
 def _rng_devices(device: torch.device) -> list[int]:
@@ -94,8 +161,8 @@ def generate_codes(
         raise ValueError(f"{len(languages)} languages for {B} texts")
     if B == 0:
         return []
-    talker = model.talker
-    weight = talker.get_input_embeddings().weight
+    talker: Any = model.talker
+    weight = _input_embeddings(model).weight
     device = weight.device
     dtype = compute_dtype(model) if dtype is None else dtype
     input_ids = [torch.tensor([list(ids)], dtype=torch.long, device=device) for ids in text_ids]
@@ -110,7 +177,8 @@ def generate_codes(
     mixed = dtype != talker.dtype and dtype in (torch.bfloat16, torch.float16)
     autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
     with torch.no_grad(), _seeded(seed, device), autocast:
-        codes, _ = model.generate(
+        generate: Any = model.generate
+        codes, _ = generate(
             input_ids=input_ids,
             voice_clone_prompt=prompt,
             languages=list(languages),

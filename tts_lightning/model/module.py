@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
-from torch import nn
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from tts_lightning.deprecation import moved
-from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, generation_defaults
+from tts_lightning.model.generation import (
+    SAMPLE_RATE,
+    PredictBatch,
+    decode_codes,
+    generate_codes,
+    generation_defaults,
+)
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
 from tts_lightning.model.loss import LossOutput, compute_loss
@@ -27,6 +36,16 @@ __getattr__ = moved(
         "DEFAULT_FREEZE": "tts_lightning.model.parameters:DEFAULT_FREEZE",
     },
 )
+
+
+@dataclass(frozen=True)
+class PredictTools:
+    """What `Qwen3TTSModule.predict_step` loads on first use: the text and speech tokenizers and the
+    pretrained directory's sampling settings (``generation_config.json``)."""
+
+    text_tokenizer: Any
+    speech_tokenizer: Any
+    generation: dict[str, Any]
 
 
 class Qwen3TTSModule(L.LightningModule):
@@ -50,6 +69,8 @@ class Qwen3TTSModule(L.LightningModule):
             those (plus the speaker table). Real models: lr 2e-6..5e-6 (2e-5 gives noise).
     """
 
+    speaker_embeddings: Tensor  # a buffer (registered in __init__)
+
     def __init__(
         self,
         pretrained: str,
@@ -66,6 +87,15 @@ class Qwen3TTSModule(L.LightningModule):
         super().__init__()
         self.adapter = LoRASettings.coerce(adapter)
         self.save_hyperparameters()
+        # The settings, typed (hparams, saved in checkpoints, holds the same values).
+        self.pretrained = pretrained
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.lr_schedule = lr_schedule
+        self.sub_talker_loss_weight = sub_talker_loss_weight
+        self.freeze_patterns = list(freeze)
+        self.attn_implementation = attn_implementation
         # Plain data in checkpoints (loaded with weights_only=True), never a pickled dataclass.
         self.hparams["adapter"] = None if self.adapter is None else self.adapter.to_dict()
         # A LoRA checkpoint leaves out the frozen base weights, which configure_model rebuilds from
@@ -79,6 +109,8 @@ class Qwen3TTSModule(L.LightningModule):
         self.num_code_groups = int(talker_cfg["num_code_groups"])
         self.model: nn.Module | None = None
         self.pending_weights: MetaWeights | None = None  # set by configure_model for the strategy
+        self.wrap_trainable_leaves = False  # set by configure_model with an adapter (see there)
+        self._predict_tools: PredictTools | None = None  # loaded by predict_step on first use
         self.speakers = list(speakers or [])
         # The fp32 speaker embeddings the run trains with, saved in every checkpoint so that export
         # writes exactly these vectors into the new speakers' codec-embedding rows.
@@ -107,8 +139,8 @@ class Qwen3TTSModule(L.LightningModule):
         read on rank 0 and broadcast) gets them as they are; otherwise they are filled here."""
         if self.model is not None:
             return
-        info = check_pretrained(self.hparams.pretrained, require_type="base")
-        model = build_empty_model(info, attn_implementation=self.hparams.attn_implementation)
+        info = check_pretrained(self.pretrained, require_type="base")
+        model = build_empty_model(info, attn_implementation=self.attn_implementation)
         adapter = self.adapter
         if adapter is not None:
             model = inject_lora(model, adapter)
@@ -117,11 +149,11 @@ class Qwen3TTSModule(L.LightningModule):
             self.wrap_trainable_leaves = True
         for name, param in model.named_parameters():
             if adapter is None:
-                trainable = not _matches(name, self.hparams.freeze)
+                trainable = not _matches(name, self.freeze_patterns)
             else:
                 key = checkpoint_key(name)
                 trainable = (is_adapter_key(name) or _matches(key, adapter.trainable)) and not _matches(
-                    key, self.hparams.freeze
+                    key, self.freeze_patterns
                 )
             param.requires_grad_(trainable)
         if adapter is not None:
@@ -150,7 +182,9 @@ class Qwen3TTSModule(L.LightningModule):
 
     @property
     def talker(self) -> nn.Module:
-        return self.model.talker
+        if self.model is None:
+            raise RuntimeError("the model is built by configure_model(); call it (or let the Trainer) first")
+        return cast(nn.Module, self.model.talker)
 
     # -- checkpoints -------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -174,17 +208,23 @@ class Qwen3TTSModule(L.LightningModule):
 
     # -- steps -------------------------------------------------------------------------------
     def forward(self, batch: TalkerBatch) -> LossOutput:
-        return compute_loss(self.talker, batch, self.hparams.sub_talker_loss_weight)
+        return compute_loss(self.talker, batch, self.sub_talker_loss_weight)
 
     def _shared_step(self, batch: TalkerBatch, stage: str) -> torch.Tensor:
         self._remember_speakers(batch)
         out = self(batch)
-        on_step = stage == "train"
-        log = dict(batch_size=len(batch), sync_dist=True, on_step=on_step, on_epoch=True)
-        self.log(f"{stage}/loss", out.loss, prog_bar=True, **log)
-        self.log(f"{stage}/talker_loss", out.talker_loss, **log)
-        self.log(f"{stage}/code_predictor_loss", out.code_predictor_loss, **log)
-        metrics = self.accuracy[f"{stage}_acc"]
+        on_step, n = stage == "train", len(batch)
+        self.log(f"{stage}/loss", out.loss, prog_bar=True, batch_size=n, sync_dist=True, on_step=on_step, on_epoch=True)
+        self.log(f"{stage}/talker_loss", out.talker_loss, batch_size=n, sync_dist=True, on_step=on_step, on_epoch=True)
+        self.log(
+            f"{stage}/code_predictor_loss",
+            out.code_predictor_loss,
+            batch_size=n,
+            sync_dist=True,
+            on_step=on_step,
+            on_epoch=True,
+        )
+        metrics = [cast(MulticlassAccuracy, m) for m in cast(nn.ModuleList, self.accuracy[f"{stage}_acc"])]
         metrics[0](out.talker_logits.detach(), out.talker_targets)
         self.log(f"{stage}/acc_codebook_0", metrics[0], on_step=on_step, on_epoch=True, batch_size=len(batch))
         for j in range(self.num_code_groups - 1):
@@ -198,19 +238,24 @@ class Qwen3TTSModule(L.LightningModule):
     def _remember_speakers(self, batch: TalkerBatch) -> None:
         """Copy the batch's speaker embeddings into the `speaker_embeddings` buffer that checkpoints
         and export carry, on every rank: each row comes from one rank that saw the speaker (summing
-        one value with zeros is exact), so all ranks hold the same complete table."""
+        one value with zeros is exact), so all ranks hold the same complete table.
+
+        The collectives are the strategy's (`Strategy.reduce`: FSDP, DDP, a single process, where
+        it returns its input), on tensors made on the strategy's root device (NCCL refuses CPU
+        tensors). Without a trainer, only this process's rows are filled."""
         table = self.speaker_embeddings
         if not len(self.speakers) or bool((table.abs().sum(1) > 0).all()):
             return  # complete: the same on every rank, so every rank skips the collectives together
-        local = torch.zeros_like(table)
-        local[batch.speaker_index] = batch.speaker_embedding.to(table.dtype)
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            me = dist.get_rank() + 1
-            owner = (local.abs().sum(1) > 0).long() * me
-            dist.all_reduce(owner, op=dist.ReduceOp.MAX)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        device = table.device if strategy is None else strategy.root_device
+        local = torch.zeros(table.shape, dtype=table.dtype, device=device)
+        local[batch.speaker_index.to(device)] = batch.speaker_embedding.to(device=device, dtype=table.dtype)
+        if strategy is not None:
+            me = self.global_rank + 1
+            owner = strategy.reduce((local.abs().sum(1) > 0).long() * me, reduce_op="max")
             local[owner != me] = 0
-            dist.all_reduce(local)
+            local = strategy.reduce(local, reduce_op="sum")
+        local = local.to(table.device)
         new = (local.abs().sum(1) > 0) & (table.abs().sum(1) == 0)
         table[new] = local[new]
 
@@ -223,87 +268,79 @@ class Qwen3TTSModule(L.LightningModule):
     def test_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "test")
 
-    def predict_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
+    def predict_step(
+        self, batch: PredictBatch | Mapping[str, Sequence[Any]], batch_idx: int, dataloader_idx: int = 0
+    ) -> list[dict[str, Any]]:
         """Speak each text of the batch as its speaker, with this checkpoint's weights.
 
-        ``batch`` is a dict of lists: ``text`` and ``speaker`` (a name of ``self.speakers``), and
-        optionally ``language`` ("auto" by default), ``id`` and ``padding`` (rows added to even out
-        ranks; passed through). Sampling settings come from the pretrained directory's
-        ``generation_config.json``, as in the official ``qwen_tts``. Returns one dict per row:
-        ``id, text, speaker, language, padding, codes`` (T x 16), ``audio`` (float32) and
-        ``sample_rate`` (24 kHz).
+        ``batch`` is a `PredictBatch` (`tts_lightning.data.predict.collate_texts` makes them; a dict
+        of lists ``text``, ``speaker`` and optionally ``language``, ``id``, ``padding`` is read with
+        `PredictBatch.from_mapping`). Padding rows (added to even out ranks) are generated and passed
+        through. Sampling settings come from the pretrained directory's ``generation_config.json``,
+        as in the official ``qwen_tts``. Returns one dict per row: ``id, text, speaker, language,
+        padding, codes`` (T x 16), ``audio`` (float32) and ``sample_rate`` (24 kHz).
         """
-        texts, speakers = list(batch["text"]), list(batch["speaker"])
-        n = len(texts)
-        if len(speakers) != n:
-            raise ValueError(f"predict batch has {n} texts but {len(speakers)} speakers")
-        languages = list(batch.get("language") or ["auto"] * n)
-        ids = list(batch.get("id") or [f"{batch_idx:04d}_{i}" for i in range(n)])
-        padding = list(batch.get("padding") or [False] * n)
+        if not isinstance(batch, PredictBatch):
+            batch = PredictBatch.from_mapping(batch, batch_idx=batch_idx)
         rows = {name: i for i, name in enumerate(self.speakers)}
-        unknown = sorted({s for s in speakers if s not in rows})
+        unknown = sorted({s for s in batch.speakers if s not in rows})
         if unknown:
             raise ValueError(f"unknown speaker(s) {unknown}; this model speaks as {self.speakers}")
-        index = torch.tensor([rows[s] for s in speakers], dtype=torch.long, device=self.speaker_embeddings.device)
-        embeddings = self.speaker_embeddings[index].float()
-        empty = sorted({s for s, e in zip(speakers, embeddings) if not bool(e.abs().sum() > 0)})
+        table = self.speaker_embeddings
+        index = torch.tensor([rows[s] for s in batch.speakers], dtype=torch.long, device=table.device)
+        embeddings = table[index].float()
+        empty = sorted({s for s, e in zip(batch.speakers, embeddings) if not bool(e.abs().sum() > 0)})
         if empty:
             raise ValueError(f"speaker(s) {empty} have no embedding in this checkpoint (never seen in a training step)")
-        # Tokenizers and sampling settings: loaded on first use, kept on the module (not in hparams,
-        # not in the state dict).
-        tools = getattr(self, "_predict_tools", None)
-        if tools is None:
-            info = check_pretrained(self.hparams.pretrained)
-            tools = (
-                load_text_tokenizer(info),
-                load_speech_tokenizer(info, device=self.device),
-                generation_defaults(info.path),
-            )
-            object.__setattr__(self, "_predict_tools", tools)
-        text_tokenizer, speech_tokenizer, defaults = tools
+        if self.model is None:
+            raise RuntimeError("the model is built by configure_model(); call it (or let the Trainer) first")
+        tools = self.predict_tools()
         codes = generate_codes(
-            self.model, [tokenize_text(text_tokenizer, t) for t in texts], embeddings, languages, **defaults
+            self.model,
+            [tokenize_text(tools.text_tokenizer, t) for t in batch.texts],
+            embeddings,
+            batch.languages,
+            **tools.generation,
         )
-        audio = decode_codes(speech_tokenizer, codes)
+        audio = decode_codes(tools.speech_tokenizer, codes)
         return [
             {
-                "id": ids[i],
-                "text": texts[i],
-                "speaker": speakers[i],
-                "language": languages[i],
-                "padding": bool(padding[i]),
+                "id": batch.ids[i],
+                "text": batch.texts[i],
+                "speaker": batch.speakers[i],
+                "language": batch.languages[i],
+                "padding": batch.padding[i],
                 "codes": codes[i],
                 "audio": audio[i],
                 "sample_rate": SAMPLE_RATE,
             }
-            for i in range(n)
+            for i in range(len(batch))
         ]
 
+    def predict_tools(self) -> PredictTools:
+        """The tokenizers and sampling settings `predict_step` uses, loaded once (the speech tokenizer
+        on this module's device) and kept in a plain attribute: neither hparams nor state dict."""
+        if self._predict_tools is None:
+            info = check_pretrained(self.pretrained)
+            self._predict_tools = PredictTools(
+                text_tokenizer=load_text_tokenizer(info),
+                speech_tokenizer=load_speech_tokenizer(info, device=self.device),
+                generation=generation_defaults(info.path),
+            )
+        return self._predict_tools
+
     # -- optimisation ------------------------------------------------------------------------
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        """The Trainer's ``gradient_clip_val``, also under FSDP: Lightning's FSDP precision refuses
-        norm clipping, and only the FSDP root can compute the norm over all shards."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        wrapped = self.trainer.strategy.model
-        if gradient_clip_val and isinstance(wrapped, FullyShardedDataParallel):
-            if gradient_clip_algorithm not in (None, "norm"):
-                raise ValueError("under FSDP only gradient_clip_algorithm='norm' is supported")
-            wrapped.clip_grad_norm_(gradient_clip_val)
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         params = [p for p in self.parameters() if p.requires_grad]
         # The fused kernel on GPUs: one launch per step instead of several per parameter. With
         # cpu_offload the (sharded) parameters live on the CPU, where the default is right.
         fused = bool(params) and all(p.is_cuda for p in params)
         optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, fused=fused or None
+            params, lr=self.learning_rate, weight_decay=self.weight_decay, fused=fused or None
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = self.hparams.warmup_steps
-        cosine = self.hparams.lr_schedule == "cosine"
+        warmup = self.warmup_steps
+        cosine = self.lr_schedule == "cosine"
 
         def factor(step: int) -> float:
             if step < warmup:
