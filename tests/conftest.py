@@ -17,6 +17,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A test that initializes torch.distributed in this process and fails (or forgets) before its
+    destroy_process_group() must not hand its group to the next test (as litgpt's conftest does)."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     from tts_lightning import build_tiny_pretrained
@@ -66,14 +75,14 @@ def make_datamodule(tiny_dir, demo_data):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch(argv, *, timeout: float, cwd=None, check=True, pythonpath=()) -> subprocess.CompletedProcess:
+def _launch(argv, *, timeout: float, cwd=None, check=True, pythonpath=(), env=None) -> subprocess.CompletedProcess:
     """Run a command in its own session (Lightning spawns its other ranks from it); on timeout (a
-    deadlock) the whole process group is killed and the test fails."""
+    deadlock) the whole process group is killed and the test fails. ``env`` adds variables."""
     import os
     import signal
 
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, *map(str, argv)],
         cwd=cwd,
@@ -109,9 +118,57 @@ def run_script():
 def run_cli():
     """run_cli(*args, cwd, timeout=900, check=True, pythonpath=()) -> CompletedProcess: the
     `tts-lightning` command (``python -m tts_lightning``) through the same launcher; ``pythonpath``
-    adds folders (e.g. the test's own, for callbacks named in ``--trainer.callbacks``)."""
+    adds folders (e.g. the test's own, for callbacks named in ``--trainer.callbacks``); ``env`` adds
+    environment variables."""
 
-    def run(*args, cwd, timeout: float = 900, check: bool = True, pythonpath=()) -> subprocess.CompletedProcess:
-        return _launch(["-m", "tts_lightning", *args], timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath)
+    def run(
+        *args, cwd, timeout: float = 900, check: bool = True, pythonpath=(), env=None
+    ) -> subprocess.CompletedProcess:
+        return _launch(
+            ["-m", "tts_lightning", *args], timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath, env=env
+        )
 
     return run
+
+
+def make_demo_commands() -> list[str]:
+    """The `tts-lightning` commands `make demo` runs, as make prints them (the install step excluded)."""
+    import re
+
+    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
+    return [line for line in lines if "bin/tts-lightning " in line]
+
+
+# The fit of `make demo`, shortened: what the console and README tests check needs 4 steps.
+DEMO_SHORT_FIT = " --trainer.max_steps 4 --trainer.val_check_interval 2"
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory):
+    """A scratch folder laid out like the repository (configs/, the package's demo clips) in which
+    `make demo`'s four commands ran once, in order, with the fit shortened (DEMO_SHORT_FIT): the
+    README tests go on from there and the console tests read what each command printed.
+    Returns (folder, {command name: stdout and stderr interleaved})."""
+    import re
+    import shlex
+
+    from tts_lightning.data.demo import demo_dir
+
+    root = tmp_path_factory.mktemp("demo-workspace")
+    (root / "configs").symlink_to(REPO / "configs")
+    # The package folder itself, as in a checkout: the commands read tts_lightning/demo/, and a
+    # script run here imports the same package either way.
+    (root / "tts_lightning").symlink_to(demo_dir().parent)
+    cli = f"OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} -m tts_lightning "
+    outputs = {}
+    for command in make_demo_commands():
+        name = command.split("bin/tts-lightning ")[1].split()[0]
+        command = re.sub(r"^(OMP_NUM_THREADS=1 )?\S*bin/tts-lightning ", cli, command)
+        command += DEMO_SHORT_FIT if name == "fit" else ""
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900
+        )
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-6000:]}"
+        outputs[name] = proc.stdout
+    return root, outputs

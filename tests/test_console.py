@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tts_lightning import console
-from tts_lightning.data.demo import demo_dir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -48,36 +47,20 @@ def run(args: list[str], cwd: Path, timeout: int = 600) -> str:
     return proc.stdout
 
 
-def demo_commands() -> list[list[str]]:
-    """`make demo`'s tts-lightning commands, as make prints them."""
-    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
-    import shlex
-
-    return [shlex.split(line.split("bin/tts-lightning ", 1)[1]) for line in lines if "bin/tts-lightning " in line]
+@pytest.fixture(scope="module")
+def workspace(demo_workspace) -> Path:
+    """The scratch folder laid out like the repository where `make demo`'s commands ran (the
+    session's `demo_workspace`, tests/conftest.py, shared with the README tests)."""
+    return demo_workspace[0]
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, tiny_dir):
-    """A scratch folder laid out like the repository (configs/, the demo clips, runs/tiny-model)."""
-    root = tmp_path_factory.mktemp("console")
-    (root / "configs").symlink_to(REPO / "configs")
-    (root / "tts_lightning").symlink_to(demo_dir().parent)
-    (root / "runs").mkdir()
-    (root / "runs" / "tiny-model").symlink_to(tiny_dir)
-    return root
-
-
-@pytest.fixture(scope="module")
-def demo_outputs(workspace) -> dict[str, str]:
-    """What `make demo`'s commands print (a 4-step fit), by command."""
-    commands = demo_commands()
-    assert [c[0] for c in commands] == ["tiny-model", "fit", "export", "synthesize"]
-    outputs = {}
-    for command in commands[1:]:  # tiny-model: the fixture built the same model
-        extra = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"] if command[0] == "fit" else []
-        outputs[command[0]] = run(command + extra, workspace)
-    return outputs
+def demo_outputs(demo_workspace) -> dict[str, str]:
+    """What `make demo`'s commands print (a 4-step fit), by command; tiny-model builds the model the
+    others use and is not part of the budget."""
+    outputs = demo_workspace[1]
+    assert list(outputs) == ["tiny-model", "fit", "export", "synthesize"]
+    return {name: text for name, text in outputs.items() if name != "tiny-model"}
 
 
 def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outputs, capsys):

@@ -226,3 +226,20 @@ def test_fit_on_a_full_cache_disk_ends_with_the_error_alone(small_fs, tiny_dir, 
     assert errors and all(f"cannot write {cache}" in e and "no space left on device" in e for e in errors)
     assert "Traceback" not in proc.stderr
     assert _leftovers(cache) == []
+
+
+# A leaked torch.distributed group: tests/conftest.py's autouse _no_leaked_process_group destroys
+# the group an in-process test left initialized (a failed assertion before its own cleanup), so the
+# next test starts clean. The two tests are a pair: pytest runs a module's tests in file order.
+def test_a_test_may_leave_its_process_group_initialized(tmp_path):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    assert dist.is_initialized() and dist.get_world_size() == 1  # and no destroy_process_group() here
+
+
+def test_the_next_test_starts_without_it():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()

@@ -1,6 +1,7 @@
 """The README cannot drift from the code: `make demo`'s commands and every command and Python
 snippet in the README's code blocks run here, in order, in a scratch workspace laid out like the
-repository (configs/ and the demo clips), on the tiny model."""
+repository (configs/ and the demo clips), on the tiny model. `make demo`'s commands run once per
+session, in the `demo_workspace` fixture (tests/conftest.py) that tests/test_console.py shares."""
 
 import re
 import shlex
@@ -10,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tts_lightning.data.demo import demo_dir
-
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 CLI = f"{shlex.quote(sys.executable)} -m tts_lightning"
-SHORT_FIT = " --trainer.max_steps 6 --trainer.val_check_interval 3"
 
 
 def code_blocks(language):
@@ -49,13 +47,9 @@ def run(command, cwd):
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("readme")
-    (root / "configs").symlink_to(REPO / "configs")
-    # The package folder itself, as in a checkout: the commands read tts_lightning/demo/, and a
-    # script run here imports the same package either way.
-    (root / "tts_lightning").symlink_to(demo_dir().parent)
-    return root
+def workspace(demo_workspace):
+    """The scratch workspace where `make demo`'s commands ran; the README's commands go on from there."""
+    return demo_workspace[0]
 
 
 def test_readme_has_the_two_commands_on_top():
@@ -64,11 +58,13 @@ def test_readme_has_the_two_commands_on_top():
     assert README.index("make demo") < README.index("## ")
 
 
-def test_make_demo_commands(workspace):
-    commands = demo_commands()
-    assert [c.split("tts-lightning ")[1].split()[0] for c in commands] == ["tiny-model", "fit", "export", "synthesize"]
-    for command in commands:
-        run(command + (SHORT_FIT if " fit " in command else ""), workspace)
+def test_make_demo_commands(demo_workspace):
+    workspace, outputs = demo_workspace  # the fixture ran them, and failed on a non-zero exit
+    assert list(outputs) == ["tiny-model", "fit", "export", "synthesize"]
+    assert [c.split("tts-lightning ")[1].split()[0] for c in demo_commands()] == list(outputs)
+    assert (workspace / "runs" / "tiny-model" / "config.json").is_file()
+    assert (workspace / "runs" / "tiny-cpu" / "checkpoints" / "last.ckpt").exists()
+    assert (workspace / "runs" / "tiny-cpu" / "voice").is_dir()
     assert (workspace / "runs" / "tiny-cpu" / "hello_alice.wav").is_file()
 
 
