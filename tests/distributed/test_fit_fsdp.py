@@ -1,12 +1,10 @@
-"""`tts-lightning fit` with 2 real FSDP processes on CPU: training, logs, checkpoints, exact resume,
-and validation of a checkpoint."""
+"""`tts-lightning fit` with 2 real FSDP processes on CPU: training, logs, golden losses, checkpoints,
+exact resume, and validation of a checkpoint."""
 
 import csv
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +15,29 @@ from tts_lightning.model.checkpoint import load_training_checkpoint
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+# One seeded run serves every test here: 14 steps, validated (and checkpointed) at steps 7 and 14; it
+# is also the uninterrupted reference of both resume tests (state_dict_type changes only the files).
+STEPS, EVERY = 14, 7
+
+# Golden losses of that run (seed 0, 2 gloo ranks, fp32, the tiny model and the demo clips, 150 frames
+# per batch), compared at rtol 1e-4 as torchtune's recipe tests do: a silent change in the model, the
+# loss, the optimizer, the schedule or the data order fails here. To regenerate them after an
+# intended change, run this module with TTS_PRINT_GOLDEN=1 and `-s`, check that the change explains
+# the difference, and paste the printed values. Keys are the event file's steps (the optimizer step - 1).
+GOLDEN_TRAIN_LOSS = {4: 8.37533950805664, 9: 6.758510112762451}  # train/loss_step, steps 5 and 10
+GOLDEN_VAL_LOSS = {6: 7.6530609130859375, 13: 6.747335433959961}  # val/loss at steps 7 and 14
 
 
-def run_cli(*args, cwd, check=True, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
+@pytest.fixture(scope="module")
+def cli(run_cli):
+    """The shared launcher (tests/conftest.py), with this folder on PYTHONPATH (crash_callbacks)."""
+
+    def run(*args, cwd, check=True, timeout=900):
+        return run_cli(*args, cwd=cwd, check=check, timeout=timeout, pythonpath=[HERE])
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +79,17 @@ def scalars(run_dir):
 
 
 @pytest.fixture(scope="module")
-def fitted(workdir, tiny_dir):
-    proc = run_cli(
-        *fit_args(workdir, tiny_dir, "run", "--trainer.max_steps", 12, "--trainer.val_check_interval", 4), cwd=workdir
+def fitted(workdir, tiny_dir, cli):
+    proc = cli(
+        *fit_args(workdir, tiny_dir, "run", "--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY),
+        cwd=workdir,
     )
-    return workdir / "run", proc
+    return workdir / "run", proc.stdout + proc.stderr
 
 
 def test_fit_trains_with_two_fsdp_ranks(fitted):
-    run_dir, proc = fitted
-    held = re.findall(r"\[rank (\d)\] FSDP FULL_SHARD: ([\d,]+) of ([\d,]+) parameters", proc.stdout + proc.stderr)
+    run_dir, output = fitted
+    held = re.findall(r"\[rank (\d)\] FSDP FULL_SHARD: ([\d,]+) of ([\d,]+) parameters", output)
     assert sorted(r for r, _, _ in held) == ["0", "1"]
     for _, local, total in held:
         share = int(local.replace(",", "")) / int(total.replace(",", ""))
@@ -97,6 +103,20 @@ def test_fit_trains_with_two_fsdp_ranks(fitted):
     assert (next(run_dir.rglob("config.yaml"))).is_file()  # the run describes itself
 
 
+def test_seeded_run_matches_the_golden_losses(fitted):
+    """The losses the run wrote to its TensorBoard event file, at fixed steps."""
+    logged = scalars(fitted[0])
+    train = {step: value for step, value in logged["train/loss_step"]}
+    val = {step: value for step, value in logged["val/loss"]}
+    if os.environ.get("TTS_PRINT_GOLDEN"):
+        print(f"\nGOLDEN_TRAIN_LOSS = {train}\nGOLDEN_VAL_LOSS = {val}")
+    assert sorted(train) == sorted(GOLDEN_TRAIN_LOSS) and sorted(val) == sorted(GOLDEN_VAL_LOSS), (train, val)
+    for step, value in GOLDEN_TRAIN_LOSS.items():
+        assert train[step] == pytest.approx(value, rel=1e-4), ("train/loss_step", step)
+    for step, value in GOLDEN_VAL_LOSS.items():
+        assert val[step] == pytest.approx(value, rel=1e-4), ("val/loss", step)
+
+
 def final_weights(run_dir):
     # A resumed run logs into a new version folder: take the newest `last`.
     newest = max(Path(run_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
@@ -104,31 +124,32 @@ def final_weights(run_dir):
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, state_dict_type):
+def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, state_dict_type):
     """A run killed mid-epoch at step 9 (last checkpoint at step 7) and resumed with
-    `--ckpt_path last` ends with the weights of a run that was never interrupted."""
-    steps = 14
+    `--ckpt_path last` ends with the weights of a run that was never interrupted (`fitted`, the
+    same training with sharded checkpoints: the file format does not change the training)."""
     common = (
         "--trainer.max_steps",
-        steps,
+        STEPS,
         "--trainer.val_check_interval",
-        7,
+        EVERY,
         "--trainer.strategy.init_args.state_dict_type",
         state_dict_type,
     )
-    straight_dir, resumed_dir = f"straight-{state_dict_type}", f"resumed-{state_dict_type}"
-    run_cli(*fit_args(workdir, tiny_dir, straight_dir, *common), cwd=workdir)
+    resumed_dir = f"resumed-{state_dict_type}"
     crash = '{"class_path": "crash_callbacks.CrashAt", "init_args": {"step": 9}}'
-    crashed = run_cli(
+    crashed = cli(
         *fit_args(workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"), cwd=workdir, check=False
     )
     assert crashed.returncode != 0 and "[CrashAt] rank 0 exits at global_step 9" in crashed.stdout
-    assert load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt").global_step == 7
-    resumed_run = run_cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
+    saved = load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt")
+    assert saved.global_step == EVERY
+    assert saved.path.is_dir() == (state_dict_type == "sharded")
+    resumed_run = cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed_run.stdout + resumed_run.stderr
-    straight, resumed = final_weights(workdir / straight_dir), final_weights(workdir / resumed_dir)
-    assert straight.path.is_dir() == (state_dict_type == "sharded")
-    assert straight.global_step == resumed.global_step == steps
+    straight, resumed = final_weights(fitted[0]), final_weights(workdir / resumed_dir)
+    assert straight.path.is_dir() and resumed.path.is_dir() == (state_dict_type == "sharded")
+    assert straight.global_step == resumed.global_step == STEPS
     assert straight.state_dict.keys() == resumed.state_dict.keys()
     assert any(k.startswith("model.speaker_encoder.") for k in resumed.state_dict)  # kept for resume
     for key, value in straight.state_dict.items():
@@ -143,13 +164,13 @@ def _pretrained_codec_head(tiny_dir):
     return load_state_dict(check_pretrained(tiny_dir), prefix="talker.codec_head.")["talker.codec_head.weight"]
 
 
-def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir):
+def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
     run_dir, _ = fitted
     best = [c for c in run_dir.rglob("*.ckpt") if c.name != "last.ckpt"]
     assert best
     ckpt = best[0]
     logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
-    run_cli(
+    cli(
         "validate",
         "--config",
         CONFIG,
@@ -183,9 +204,9 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir):
         (["--data.speakers", "[carol]"], "carol"),
     ],
 )
-def test_bad_config_fails_before_spawning(workdir, tiny_dir, override, needle):
+def test_bad_config_fails_before_spawning(workdir, tiny_dir, cli, override, needle):
     args = fit_args(workdir, tiny_dir, "bad")
-    proc = run_cli(*args, *override, cwd=workdir, check=False, timeout=120)
+    proc = cli(*args, *override, cwd=workdir, check=False, timeout=300)
     assert proc.returncode != 0
     assert needle in proc.stderr + proc.stdout
     assert "FSDP" not in proc.stdout  # nothing was wrapped: no process group, no spawn
