@@ -20,6 +20,9 @@ from tts_lightning.model.module import Qwen3TTSModule
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
+    # Before the Trainer starts other processes: a speaker the manifest does not name fails here,
+    # once, instead of in prepare_data on one rank while the others wait.
+    data.preparer.check_requested_speakers()
     return list(data.speaker_names)
 
 

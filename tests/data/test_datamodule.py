@@ -230,6 +230,10 @@ def test_errors_name_the_manifest_and_the_speaker(tiny_dir, prepared, tmp_path):
 
     with pytest.raises(ValueError, match="'carol'"):
         make(tiny_dir, prepared, speakers=["alice", "carol"], cache_dir=str(tmp_path / "c")).prepare()
+    # The quick check the CLI runs before starting other processes: the manifest's names only.
+    with pytest.raises(ValueError, match=r"'carol' are not named by .*train\.jsonl \(its speakers: alice, bob\)"):
+        make(tiny_dir, prepared, speakers=["alice", "carol"]).preparer.check_requested_speakers()
+    make(tiny_dir, prepared, speakers=["bob"]).preparer.check_requested_speakers()
 
 
 def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys):

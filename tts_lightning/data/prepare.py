@@ -334,9 +334,14 @@ class DataPreparer:
 
     def requested_speakers(self) -> list[str]:
         """The ``speakers`` setting, else every speaker the training manifest names, sorted."""
+        if self.settings.speakers is not None:
+            return list(self.settings.speakers)
+        return self.manifest_speakers()
+
+    def manifest_speakers(self) -> list[str]:
+        """Every speaker the training manifest names (its entries and subtitle cues), sorted; read
+        once, without validating a clip."""
         s = self.settings
-        if s.speakers is not None:
-            return list(s.speakers)
         if self._manifest_speakers is None:
             records = load_manifest(s.train_manifest, s.default_speaker, s.manifest_encoding).records
             speakers: set[str] = set()
@@ -344,6 +349,19 @@ class DataPreparer:
                 speakers |= {r.speaker} if r.subtitles is None else subtitle_speakers(r, s.manifest_encoding)
             self._manifest_speakers = sorted(speakers)
         return list(self._manifest_speakers)
+
+    def check_requested_speakers(self) -> None:
+        """Raise ValueError when the ``speakers`` setting names a speaker the training manifest
+        does not: a quick check, before any process is started (`plan` checks accepted clips)."""
+        if self.settings.speakers is None:
+            return
+        known = self.manifest_speakers()
+        missing = [name for name in self.settings.speakers if name not in known]
+        if missing:
+            raise ValueError(
+                f"speaker(s) {', '.join(map(repr, missing))} are not named by {self.settings.train_manifest} "
+                f"(its speakers: {', '.join(known) or 'none'})"
+            )
 
     # -- the whole job ------------------------------------------------------------------------
 
