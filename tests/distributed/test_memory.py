@@ -208,6 +208,8 @@ def test_plan_command_exit_codes(capsys):
 
 
 def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
+    """A config is read by the real `fit` parser: class_path/init_args, defaults, command-line
+    overrides and the data.pretrained -> model.pretrained link resolve as `fit` resolves them."""
     released = {
         "trainer": {
             "devices": 4,
@@ -218,7 +220,11 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
             },
         },
         "model": {"freeze": ["speaker_encoder"]},
-        "data": {"pretrained": "Qwen/Qwen3-TTS-12Hz-1.7B-Base", "max_frames_per_batch": 2000},
+        "data": {
+            "pretrained": "Qwen/Qwen3-TTS-12Hz-1.7B-Base",
+            "train_manifest": "train.jsonl",
+            "max_frames_per_batch": 2000,
+        },
     }
     path = tmp_path / "released.yaml"
     path.write_text(yaml.safe_dump(released))
@@ -227,7 +233,17 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     assert (plan.total, plan.fits, plan.gpus) == (direct.total, True, 4)
     assert plan_command(["--config", str(path), "--gpu-memory", "16"]) == 0
     assert plan_command(["--config", str(path), "--gpu-memory", "16", "--gpus", "1"]) == 1
+    # fit's own overrides, after the YAML: one GPU does not fit, 32-true on 8 is planned as fit would run it
+    assert plan_command(["--config", str(path), "--gpu-memory", "16", "--trainer.devices", "1"]) == 1
     capsys.readouterr()
+    override = plan_from_config(path, 16, overrides=["--trainer.devices", "8", "--trainer.precision", "32-true"])
+    assert (override.gpus, override.precision) == (8, "32-true")
+    assert override.total == plan_memory("1.7b", **{**BASE, "gpus": 8, "precision": "32-true"}).total
+    # a key fit rejects is rejected here too (the hand-written reader ignored it)
+    path.write_text(yaml.safe_dump({**released, "model": {"freeze": ["speaker_encoder"], "no_such_option": 1}}))
+    with pytest.raises(SystemExit):
+        plan_from_config(path, 16)
+    assert "no_such_option" in capsys.readouterr().err
 
     tiny = {
         "trainer": {
@@ -238,14 +254,8 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
                 "init_args": {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing_policy": []},
             },
         },
-        "model": {
-            "class_path": "tts_lightning.Qwen3TTSModule",
-            "init_args": {"freeze": ["speaker_encoder", TEXT_EMBEDDING]},
-        },
-        "data": {
-            "class_path": "tts_lightning.SpeakerClipsDataModule",
-            "init_args": {"pretrained": str(tiny_dir), "max_frames_per_batch": 400},
-        },
+        "model": {"freeze": ["speaker_encoder", TEXT_EMBEDDING]},
+        "data": {"pretrained": str(tiny_dir), "train_manifest": "train.jsonl", "max_frames_per_batch": 400},
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(tiny))
@@ -254,6 +264,14 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     assert not plan.activation_checkpointing and plan.freeze == ["speaker_encoder", TEXT_EMBEDDING]
     assert plan.total_parameters == count_parameters(tiny_dir) and plan.fits
     assert plan.total < 1.1 * GiB  # a tiny model: essentially the constant CUDA overhead
+    # the strategy's defaults come from its signature: no init_args at all is FULL_SHARD, checkpointed
+    default = {
+        **tiny,
+        "trainer": {**tiny["trainer"], "strategy": {"class_path": tiny["trainer"]["strategy"]["class_path"]}},
+    }
+    path.write_text(yaml.safe_dump(default))
+    plan = plan_from_config(path, 2)
+    assert (plan.sharding, plan.activation_checkpointing) == ("FULL_SHARD", True)
 
     path.write_text(yaml.safe_dump({**tiny, "trainer": {"devices": "auto", "strategy": "ddp"}}))
     with pytest.raises(ValueError, match="devices"):

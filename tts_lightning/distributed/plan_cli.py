@@ -1,7 +1,8 @@
 """`tts-lightning plan`: will a fine-tuning run fit in GPU memory? Prints the per-GPU breakdown
-and, when it does not fit, what to turn on, cheapest first. Exit status 0 if it fits, 1 if not,
-2 on a usage or configuration error. No GPU and no network needed: the model is built on the
-meta device."""
+and, when it does not fit, what to turn on, cheapest first. FSDP1 (`Qwen3TTSFSDPStrategy`) or FSDP2
+(``--strategy fsdp2``, `Qwen3TTSFSDP2Strategy`); with ``--config`` the strategy is the config's.
+Exit status 0 if it fits, 1 if not, 2 on a usage or configuration error. No GPU and no network
+needed: the model is built on the meta device."""
 
 from __future__ import annotations
 
@@ -18,9 +19,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), released hub id, or pretrained directory")
-    source.add_argument("--config", help="a LightningCLI YAML (tts-lightning fit --config ...)")
+    source.add_argument(
+        "--config",
+        help="a LightningCLI YAML (tts-lightning fit --config ...), read as `fit` reads it; `fit`'s "
+        "overrides may follow (--trainer.devices 8, --data.max_frames_per_batch 1000, ...)",
+    )
     parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU, GiB")
     parser.add_argument("--gpus", type=int, help="number of GPUs (default 1; with --config: trainer.devices)")
+    parser.add_argument(
+        "--strategy",
+        choices=("fsdp", "fsdp2"),
+        default="fsdp",
+        help="fsdp: Qwen3TTSFSDPStrategy (FSDP1, flat parameters per unit); fsdp2: Qwen3TTSFSDP2Strategy "
+        "(fully_shard; --sharding SHARD_GRAD_OP = reshard_after_forward false)",
+    )
     parser.add_argument("--sharding", choices=SHARDINGS, default="FULL_SHARD")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
@@ -45,13 +57,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def plan_command(argv: list[str]) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and not args.config:
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     from tts_lightning.distributed.memory import plan_from_config, plan_memory
 
     if args.config:
         given = [
             flag
             for flag, value, default in (
+                ("--strategy", args.strategy, "fsdp"),
                 ("--sharding", args.sharding, "FULL_SHARD"),
                 ("--precision", args.precision, "bf16-mixed"),
                 ("--no-activation-checkpointing", args.no_activation_checkpointing, False),
@@ -66,7 +81,7 @@ def plan_command(argv: list[str]) -> int:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
     try:
         if args.config:
-            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus)
+            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
         else:
             plan = plan_memory(
                 args.model,
@@ -79,6 +94,7 @@ def plan_command(argv: list[str]) -> int:
                 freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
                 micro_batch_frames=args.frames,
                 adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
+                layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
             )
     except (ValueError, OSError) as exc:
         print(f"tts-lightning plan: {exc}", file=sys.stderr)

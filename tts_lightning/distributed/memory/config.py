@@ -1,0 +1,186 @@
+"""`plan_from_config`: plan a `tts-lightning fit` config as `fit` reads it. The YAML goes through
+this project's own LightningCLI (`tts_lightning.cli.cli_main` with `TTSLightningCLI`), stopped
+before anything is instantiated, so defaults, ``class_path``/``init_args``, command-line overrides
+(``--trainer.devices 8``) and linked arguments (``data.pretrained`` -> ``model.pretrained``) are
+resolved exactly as `fit` resolves them; a config `fit` rejects ends the same way (``SystemExit``,
+the message on stderr)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast
+
+from tts_lightning.cli import TTSLightningCLI, cli_main
+from tts_lightning.distributed.memory.plan import MemoryPlan, plan_memory
+from tts_lightning.model.parameters import DEFAULT_FREEZE
+
+__all__ = ["parse_fit_config", "plan_from_config"]
+
+PRECISION_PLANNED: dict[str, Literal["bf16-mixed", "32-true"]] = {
+    "bf16-mixed": "bf16-mixed",
+    "16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "32-true": "32-true",
+    "32": "32-true",
+    "None": "32-true",  # the Trainer's default
+}
+
+
+class _ParseOnlyCLI(TTSLightningCLI):
+    """`TTSLightningCLI` that parses and checks (``run=False``: the ``fit`` arguments without the
+    subcommand) and instantiates nothing: no model, data module, trainer or callbacks."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_fit_config(config_yaml_path: str | os.PathLike, *overrides: str) -> Any:
+    """The config namespace `tts-lightning fit --config PATH OVERRIDES...` would instantiate.
+    ``seed_everything`` is not applied (parsing must not reseed the caller's generators)."""
+    with warnings.catch_warnings():
+        # The arguments are given on purpose (the caller's own command line is not `fit`'s).
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        cli = cli_main(
+            ["--config", str(config_yaml_path), *overrides, "--seed_everything", "false"],
+            run=False,
+            cli_class=_ParseOnlyCLI,
+        )
+    return cli.config
+
+
+def _get(namespace: Any, key: str, default: Any = None) -> Any:
+    if namespace is None:
+        return default
+    if isinstance(namespace, Mapping):
+        return namespace.get(key, default)
+    return getattr(namespace, key, default)
+
+
+def _devices(devices: Any, num_nodes: Any) -> int | None:
+    nodes = int(num_nodes or 1)
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    if isinstance(devices, str):
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()]) * nodes
+        if not devices.strip().lstrip("-").isdigit():
+            return None  # "auto": as many as the machine has
+        devices = int(devices)
+    count = int(devices)
+    return None if count < 0 else count * nodes
+
+
+def _class_names(class_path: str) -> set[str]:
+    """The names of the class at ``class_path`` and of its bases (the CLI has imported it already)."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return {c.__name__ for c in cls.__mro__}
+
+
+def plan_from_config(
+    config_yaml_path: str | os.PathLike,
+    gpu_memory_gb: float,
+    *,
+    gpus: int | None = None,
+    overrides: Sequence[str] = (),
+) -> MemoryPlan:
+    """Plan a `tts-lightning fit` config (with optional command-line ``overrides`` such as
+    ``["--trainer.devices", "8"]``): the pretrained model (``data.pretrained``), ``model.freeze``
+    and ``model.adapter``, ``trainer.devices`` x ``num_nodes`` (or ``gpus``), ``trainer.precision``,
+    the strategy (`Qwen3TTSFSDPStrategy` or Lightning's FSDP: sharding, cpu_offload, activation
+    checkpointing and wrap policy; `Qwen3TTSFSDP2Strategy`: the FSDP2 layout with its layer classes,
+    groups and ``reshard_after_forward``), ``data.max_frames_per_batch`` and a
+    `SpeakerSamplesCallback`. Plain ``ddp`` (or several devices with no strategy) is planned as
+    NO_SHARD without checkpointing."""
+    from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT
+    from tts_lightning.model.pretrained import resolve_pretrained
+
+    path = str(config_yaml_path)
+    cfg = parse_fit_config(path, *overrides)
+    data, model_cfg, trainer = cfg.data, cfg.model, cfg.trainer
+    pretrained = str(_get(data, "pretrained") or _get(model_cfg, "pretrained") or "")
+    if not pretrained:
+        raise ValueError(f"{path}: no data.pretrained")
+    if pretrained == "tiny" and not os.path.isdir(pretrained):
+        pretrained = str(resolve_pretrained(pretrained))  # the embedded tiny model, as `fit` builds it
+    n = gpus if gpus is not None else _devices(_get(trainer, "devices", "auto"), _get(trainer, "num_nodes", 1))
+    if n is None:
+        raise ValueError(f"{path}: trainer.devices is {_get(trainer, 'devices')!r}; pass the GPU count")
+    precision = PRECISION_PLANNED.get(str(_get(trainer, "precision")))
+    if precision is None:
+        raise ValueError(
+            f"{path}: trainer.precision {_get(trainer, 'precision')!r} is not planned (bf16-mixed or 32-true)"
+        )
+    strategy = _get(trainer, "strategy", "auto")
+    layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
+    wrap: list[str] | None = None
+    groups: list[list[str]] | None = None
+    class_path = _get(strategy, "class_path")
+    if class_path:
+        args = _get(strategy, "init_args")
+        names = _class_names(str(class_path))
+        policy = _get(args, "activation_checkpointing_policy")
+        offload = bool(_get(args, "cpu_offload", False))
+        if "Qwen3TTSFSDP2Strategy" in names:
+            layout = "fsdp2"
+            sharding = "FULL_SHARD" if _get(args, "reshard_after_forward", True) else "SHARD_GRAD_OP"
+            ckpt = list(DEFAULT_CHECKPOINT) if policy is None else list(policy)
+            layers = _get(args, "layer_classes")
+            wrap = None if layers is None else list(layers)
+            raw_groups = _get(args, "groups")
+            groups = None if raw_groups is None else [list(g) for g in raw_groups]
+        else:
+            ours = "Qwen3TTSFSDPStrategy" in names
+            raw = _get(args, "sharding_strategy", "FULL_SHARD")
+            sharding = str(getattr(raw, "name", raw))
+            ckpt = list(DEFAULT_CHECKPOINT) if (policy is None and ours) else list(policy or [])
+            wrap_policy = _get(args, "auto_wrap_policy")
+            wrap = None if wrap_policy is None else list(wrap_policy)
+            if wrap is None and not ours:
+                wrap = []  # Lightning's FSDPStrategy without a policy: one unit, the root
+    elif str(strategy).lower().startswith("fsdp"):
+        sharding, offload, ckpt, wrap = "FULL_SHARD", False, [], []
+    else:  # ddp, auto, single device
+        sharding, offload, ckpt = "NO_SHARD", False, []
+    if sharding == "HYBRID_SHARD":
+        raise ValueError(f"{path}: HYBRID_SHARD is not planned (plan FULL_SHARD with the GPUs of one node)")
+    if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        raise ValueError(f"{path}: sharding_strategy {sharding!r} is not planned")
+    freeze = _get(model_cfg, "freeze", list(DEFAULT_FREEZE))
+    adapter = _get(model_cfg, "adapter")
+    if adapter is not None and not isinstance(adapter, Mapping):
+        adapter = adapter.as_dict() if hasattr(adapter, "as_dict") else vars(adapter)
+    frames = _get(data, "max_frames_per_batch") or 2000
+    samples = next(
+        (
+            c
+            for c in _get(trainer, "callbacks") or []
+            if str(_get(c, "class_path", "")).endswith("SpeakerSamplesCallback")
+        ),
+        None,
+    )
+    sample_args = _get(samples, "init_args")
+    texts = _get(sample_args, "texts") or (0, 0)
+    speakers = _get(sample_args, "speakers") or (0, 0)  # default all of the run's speakers: planned as two
+    return plan_memory(
+        pretrained,
+        gpus=n,
+        gpu_memory_gb=gpu_memory_gb,
+        sharding=cast(Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], sharding),
+        precision=precision,
+        activation_checkpointing=ckpt,
+        cpu_offload=offload,
+        freeze=list(freeze or []),
+        micro_batch_frames=int(frames),
+        auto_wrap_policy=wrap,
+        samples=samples is not None,
+        sample_frames=int(_get(sample_args, "max_new_tokens", 240) or 240),
+        sample_rows=len(texts) * max(1, len(speakers)),
+        adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
+        layout=layout,
+        groups=groups,
+    )
