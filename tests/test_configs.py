@@ -23,8 +23,9 @@ GPU_CONFIGS = [
 # A GPU config says what it was planned for with the command that checks it, e.g.
 #   tts-lightning plan --config configs/qwen3-tts-1.7b-4x16gb.yaml --gpu-memory 16
 PLAN_COMMAND = re.compile(r"tts-lightning plan --config (\S+) --gpu-memory (\d+(?:\.\d+)?)\s*$", re.MULTILINE)
-# Commented-out options: "# key: value" or "# - item" at the indentation they would have.
-COMMENTED_OPTION = re.compile(r"^(\s*)# ((?:[A-Za-z_][\w.]*: \S.*)|(?:- [\w.]+\s*))$")
+# Commented-out options: "# key: value" or "# - item" at the indentation they would have. Keys are
+# snake_case: a comment that opens with a capitalised word and a colon ("# FSDP2: ...") is prose.
+COMMENTED_OPTION = re.compile(r"^(\s*)# ((?:[a-z_][\w.]*: \S.*)|(?:- [\w.]+\s*))$")
 
 
 def test_configs_are_found():
