@@ -26,9 +26,10 @@ demo: install
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
 
-# The edit loop: everything but the multi-process and long-running tests (marked slow).
+# The edit loop: everything but the multi-process and long-running tests (marked slow); the
+# durations show a test that belongs in the slow tier.
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 # Lint, format and types (the same checks as .pre-commit-config.yaml); CI runs it before the tests.
 LINT_PATHS := tts_lightning tests benchmarks scripts

@@ -3,10 +3,8 @@ fit exported for qwen_tts, a worker crash resumed from the last reported checkpo
 crash without retries failing cleanly with its checkpoint intact."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,17 +23,13 @@ MAX_STEPS, EVERY, CRASH_AT = 8, 3, 5  # checkpoints at 3, 6, 8; rank 1 dies befo
 needs_ray = pytest.mark.skipif(ray_cli.ray_missing() is not None, reason="needs the ray extra")
 
 
-def ray_fit(workdir, tiny_dir, run, *extra, callbacks=(), timeout=420):
-    """Run the command in a fresh process (its own local Ray cluster), as a user would."""
+def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), timeout=900):
+    """`tts-lightning ray-fit` in a fresh process (its own local Ray cluster), as a user would run it,
+    through the shared launcher (tests/conftest.py): on a timeout its whole process group is killed."""
     extra_config = workdir / f"{run}.yaml"
     extra_config.write_text(json.dumps({"trainer": {"callbacks": list(callbacks)}}))  # JSON is YAML
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "RAY_DEDUP_LOGS": "0",
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)]),
-    }
     args = [
+        "ray-fit",
         "--config",
         CONFIG,
         "--config",
@@ -64,14 +58,8 @@ def ray_fit(workdir, tiny_dir, run, *extra, callbacks=(), timeout=420):
         run,
         *extra,
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning.distributed.ray_cli", *map(str, args)],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # The workers import ray_test_callbacks from this folder; RAY_DEDUP_LOGS=0 keeps every rank's lines.
+    proc = run_cli(*args, cwd=workdir, timeout=timeout, check=False, pythonpath=[HERE], env={"RAY_DEDUP_LOGS": "0"})
     return proc, proc.stdout + proc.stderr
 
 
@@ -110,8 +98,8 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight(workdir, tiny_dir):
-    proc, log = ray_fit(workdir, tiny_dir, "straight", callbacks=[record(workdir / "straight.jsonl")])
+def straight(run_cli, workdir, tiny_dir):
+    proc, log = ray_fit(run_cli, workdir, tiny_dir, "straight", callbacks=[record(workdir / "straight.jsonl")])
     assert proc.returncode == 0, log[-8000:]
     return workdir / "straight", log
 
@@ -147,10 +135,10 @@ def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny
 
 
 @needs_ray
-def test_worker_crash_resumes_from_the_last_checkpoint(straight, workdir, tiny_dir):
+def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdir, tiny_dir):
     marker, steps_file = workdir / "crashed.marker", workdir / "resumed.jsonl"
     proc, log = ray_fit(
-        workdir, tiny_dir, "resumed", "--ray.max_failures", 1, callbacks=[crash(marker), record(steps_file)]
+        run_cli, workdir, tiny_dir, "resumed", "--ray.max_failures", 1, callbacks=[crash(marker), record(steps_file)]
     )
     assert proc.returncode == 0, log[-8000:]
     assert marker.is_file() and f"rank 1 exits at global_step {CRASH_AT}" in log
@@ -178,9 +166,10 @@ def test_worker_crash_resumes_from_the_last_checkpoint(straight, workdir, tiny_d
 
 
 @needs_ray
-def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(workdir, tiny_dir):
+def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(run_cli, workdir, tiny_dir):
     marker = workdir / "failed.marker"
     proc, log = ray_fit(
+        run_cli,
         workdir,
         tiny_dir,
         "failed",
