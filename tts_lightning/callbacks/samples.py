@@ -14,7 +14,10 @@ their audio as ``baseline_samples/...``): the line the fine-tuned voice has to b
 ``stop_below_baseline=N`` training stops when the similarity stays below the baseline's for N
 sampled validations in a row.
 
-Under FSDP the weights are flat shards outside the training step. Every rank enters
+Under FSDP2 (`Qwen3TTSFSDP2Strategy`) every rank takes part in gathering the full state into rank
+0's host memory one parameter at a time (``get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``), from which rank 0 builds the same plain copy. Under FSDP1 the weights are
+flat shards outside the training step. Every rank enters
 ``FullyShardedDataParallel.summon_full_params(rank0_only=True, offload_to_cpu=True)`` (one
 all-gather per unit, on all ranks, in the same order); rank 0 receives the full weights in host
 memory, copies them into a plain model in the run's compute dtype on its device (bf16 under
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -63,18 +66,30 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
     rank 0's device, and the host copy is released before generation starts: the GPU holds the
     copy (2 bytes per parameter) only while sampling, never the fp32 model. Generation then issues
     no collective at all. Without FSDP the module's own model is used, on rank 0."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    root = trainer.strategy.model
-    if not isinstance(root, FullyShardedDataParallel):
-        yield pl_module.model if trainer.is_global_zero else None
-        return
     from tts_lightning.model.generation import compute_dtype
     from tts_lightning.model.loading import copy_model
 
-    dtype = compute_dtype(pl_module.model)
-    with FullyShardedDataParallel.summon_full_params(root, writeback=False, rank0_only=True, offload_to_cpu=True):
-        model = copy_model(pl_module.model, dtype=dtype, device=pl_module.device) if trainer.is_global_zero else None
+    plain = pl_module.model
+    assert isinstance(plain, nn.Module)
+    root = trainer.strategy.model
+    if isinstance(root, FSDPModule):  # FSDP2 (`Qwen3TTSFSDP2Strategy`): the parameters are DTensor shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        policy = getattr(trainer.strategy, "mixed_precision_policy", None)
+        dtype = getattr(policy, "param_dtype", None) or compute_dtype(plain)
+        # One all-gather per parameter on every rank; rank 0 keeps each full tensor in host memory.
+        state = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model = copy_model(plain, dtype=dtype, device=pl_module.device, state=state) if trainer.is_global_zero else None
+        del state
+    elif isinstance(root, FullyShardedDataParallel):
+        dtype = compute_dtype(plain)
+        with FullyShardedDataParallel.summon_full_params(root, writeback=False, rank0_only=True, offload_to_cpu=True):
+            model = copy_model(plain, dtype=dtype, device=pl_module.device) if trainer.is_global_zero else None
+    else:
+        yield plain if trainer.is_global_zero else None
+        return
     try:
         yield model
     finally:
@@ -243,9 +258,10 @@ class SpeakerSamplesCallback(Callback):
         if values is None:
             return
         for key, name in METRICS.items():
-            if values.get(key) is not None:
+            value = values.get(key)
+            if value is not None:
                 # The same value and key on every rank; the epoch-end reduction is entered by all.
-                pl_module.log(name, float(values[key]), on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
+                pl_module.log(name, float(value), on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
         self._check_baseline(trainer, values)
 
     def _check_baseline(self, trainer: pl.Trainer, values: dict[str, float | None]) -> None:
@@ -296,7 +312,7 @@ class SpeakerSamplesCallback(Callback):
             raise error
         if shared["error"] is not None:
             raise RuntimeError(f"SpeakerSamplesCallback failed on rank 0: {shared['error']}")
-        return shared["values"]
+        return cast("dict[str, float | None] | None", shared["values"])  # rank 0's, broadcast
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
@@ -323,7 +339,7 @@ class SpeakerSamplesCallback(Callback):
                     languages,
                     max_new_tokens=max_new_tokens_for(max(limits)),
                     seed=self.seed,
-                    dtype=model.talker.get_input_embeddings().weight.dtype,
+                    dtype=cast(Any, model.talker).get_input_embeddings().weight.dtype,
                 )
         finally:
             for module, training in modes.items():
@@ -442,7 +458,7 @@ class SpeakerSamplesCallback(Callback):
         if self._text is None:
             from tts_lightning.model.pretrained import check_pretrained, load_text_tokenizer
 
-            self._text = load_text_tokenizer(check_pretrained(pl_module.hparams.pretrained))
+            self._text = load_text_tokenizer(check_pretrained(pl_module.hparams["pretrained"]))
         return self._text
 
     def _speech_tokenizer(self, pl_module: pl.LightningModule):
@@ -450,13 +466,13 @@ class SpeakerSamplesCallback(Callback):
         if self._speech is None:
             from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
 
-            self._speech = load_speech_tokenizer(check_pretrained(pl_module.hparams.pretrained), device="cpu")
+            self._speech = load_speech_tokenizer(check_pretrained(pl_module.hparams["pretrained"]), device="cpu")
         return self._speech
 
     def _prepared_index(self, trainer: pl.Trainer) -> dict | None:
         """The data module's ``prepared.json`` (speakers, their reference clips, clip languages)."""
         if self._index is None:
-            read_index = getattr(trainer.datamodule, "read_index", None)
+            read_index = getattr(getattr(trainer, "datamodule", None), "read_index", None)
             if read_index is None:
                 return None
             try:
@@ -470,8 +486,8 @@ class SpeakerSamplesCallback(Callback):
         """The speakers to sample and their fp32 embeddings: the model's buffer (what the run trains
         and exports with), rows not filled there yet taken from the data module's table."""
         names = list(getattr(pl_module, "speakers", []) or [])
-        table = pl_module.speaker_embeddings.detach().float().cpu().clone()
-        datamodule = trainer.datamodule
+        table = cast(Tensor, pl_module.speaker_embeddings).detach().float().cpu().clone()
+        datamodule = getattr(trainer, "datamodule", None)
         missing = [i for i in range(len(names)) if not bool(table[i].abs().sum() > 0)]
         if missing and datamodule is not None and list(getattr(datamodule, "speaker_names", [])) == names:
             try:
