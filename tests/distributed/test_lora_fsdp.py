@@ -1,15 +1,21 @@
 """LoRA with 2 real FSDP ranks on CPU (`configs/tiny-cpu-lora.yaml`): it trains, only the adapters
-get gradients and move, checkpoints hold the adapters only, a run killed mid-epoch resumes to the
-same adapters (sharded and full checkpoints), and export merges them into a custom_voice directory
-whose loss equals the training module's and that qwen_tts speaks with."""
+get gradients and move, `SpeakerSamplesCallback` speaks the adapted weights, `predict` speaks from the
+checkpoint, checkpoints hold the adapters only (under a tenth of full fine-tuning's), a run killed
+mid-epoch resumes to the same adapters (sharded and full checkpoints), `load_from_checkpoint` reads a
+full one, and export merges them into a custom_voice directory whose loss equals the training
+module's and that qwen_tts speaks with.
 
+Runs: one uninterrupted run (sharded checkpoints, with the checking and sampling callbacks), and per
+checkpoint format one run killed mid-epoch and resumed; the resumed full-format run is also the full
+checkpoint the other tests read (training does not depend on the format, so both resumed runs are
+compared with the one uninterrupted run)."""
+
+import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,34 +24,37 @@ from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import CheckpointReader, load_training_checkpoint
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu-lora.yaml"
 STEPS, CHECKPOINT_EVERY, CRASH_AT = 8, 4, 6
 CHECK_FROZEN = '{"class_path": "lora_callbacks.CheckFrozen"}'
+TEXTS = ["Good morning.", "See you soon."]
+SPEAKERS = ["alice", "bob"]
+SAMPLE_TOKENS = 24
+# Samples at the second validation (the last step), logged to TensorBoard; no resemblyzer needed.
+SAMPLES = json.dumps(
+    {
+        "class_path": "tts_lightning.callbacks.SpeakerSamplesCallback",
+        "init_args": {
+            "every_n_val_epochs": 2,
+            "texts": TEXTS,
+            "max_new_tokens": SAMPLE_TOKENS,
+            "similarity": False,
+            "baseline": False,
+        },
+    }
+)
 
 
-def run_cli(*args, cwd, check=True, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def scalars(run_dir):
+def events(run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = list(Path(run_dir).rglob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(events[0].parent))
+    found = list(Path(run_dir).rglob("events.out.tfevents.*"))
+    assert found, f"no TensorBoard event file under {run_dir}"
+    acc = EventAccumulator(str(found[0].parent), size_guidance={"audio": 0, "scalars": 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return acc
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +66,18 @@ def workdir(tmp_path_factory, tiny_dir):
     return root
 
 
-def fit_args(workdir, tiny_dir, run, *extra, config=CONFIG):
+@pytest.fixture(scope="module")
+def cli(run_cli):
+    """The shared `run_cli`, with this folder on the ranks' path (the callbacks of lora_callbacks.py)."""
+
+    def run(*args, cwd, check=True, timeout=900):
+        return run_cli(*map(str, args), cwd=cwd, check=check, timeout=timeout, pythonpath=(HERE,))
+
+    return run
+
+
+def data_args(workdir, tiny_dir):
     return [
-        "fit",
-        "--config",
-        config,
         "--data.pretrained",
         tiny_dir,
         "--data.train_manifest",
@@ -70,6 +86,15 @@ def fit_args(workdir, tiny_dir, run, *extra, config=CONFIG):
         workdir / "cache",
         "--data.max_frames_per_batch",
         150,
+    ]
+
+
+def fit_args(workdir, tiny_dir, run, *extra, config=CONFIG):
+    return [
+        "fit",
+        "--config",
+        config,
+        *data_args(workdir, tiny_dir),
         "--trainer.max_steps",
         STEPS,
         "--trainer.val_check_interval",
@@ -87,23 +112,53 @@ def newest_last(run_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(workdir, tiny_dir):
-    """The uninterrupted LoRA runs, one per checkpoint format (the first checks gradients and frozen
-    weights on every rank)."""
-    out = {}
-    for kind in ("sharded", "full"):
-        extra = ["--trainer.strategy.init_args.state_dict_type", kind]
-        if kind == "sharded":
-            extra.append(f"--trainer.callbacks+={CHECK_FROZEN}")
-        out[kind] = (
-            workdir / f"straight-{kind}",
-            run_cli(*fit_args(workdir, tiny_dir, f"straight-{kind}", *extra), cwd=workdir),
-        )
-    return out
+def straight(workdir, tiny_dir, cli):
+    """The uninterrupted LoRA run (sharded checkpoints): it checks gradients and frozen weights on
+    every rank, and samples the speakers at the last validation."""
+    run_dir = workdir / "straight"
+    proc = cli(
+        *fit_args(
+            workdir,
+            tiny_dir,
+            "straight",
+            "--trainer.strategy.init_args.state_dict_type",
+            "sharded",
+            f"--trainer.callbacks+={CHECK_FROZEN}",
+            f"--trainer.callbacks+={SAMPLES}",
+        ),
+        cwd=workdir,
+    )
+    return run_dir, proc
 
 
-def test_lora_trains_with_two_fsdp_ranks(runs):
-    run_dir, proc = runs["sharded"]
+@pytest.fixture(scope="module")
+def resumed(workdir, tiny_dir, cli):
+    """resumed(state_dict_type) -> run folder: a run killed at step CRASH_AT (after the checkpoint
+    at CHECKPOINT_EVERY) and resumed with ``--ckpt_path last`` to STEPS; each format runs once."""
+    done = {}
+
+    def get(state_dict_type):
+        if state_dict_type not in done:
+            run = workdir / f"resumed-{state_dict_type}"
+            common = ("--trainer.strategy.init_args.state_dict_type", state_dict_type)
+            crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH_AT}}}}}'
+            crashed = cli(
+                *fit_args(workdir, tiny_dir, run.name, *common, f"--trainer.callbacks+={crash}"),
+                cwd=workdir,
+                check=False,
+            )
+            assert crashed.returncode != 0 and f"exits at global_step {CRASH_AT}" in crashed.stdout
+            assert load_training_checkpoint(run / "checkpoints" / "last.ckpt").global_step == CHECKPOINT_EVERY
+            again = cli(*fit_args(workdir, tiny_dir, run.name, *common, "--ckpt_path", "last"), cwd=workdir)
+            assert "Restoring states from the checkpoint path" in again.stdout + again.stderr
+            done[state_dict_type] = run
+        return done[state_dict_type]
+
+    return get
+
+
+def test_lora_trains_with_two_fsdp_ranks(straight):
+    run_dir, proc = straight
     output = proc.stdout + proc.stderr
     for rank in (0, 1):
         assert re.search(
@@ -112,70 +167,212 @@ def test_lora_trains_with_two_fsdp_ranks(runs):
             output,
         ), output[-3000:]
     assert len(re.findall(r"\[rank \d\] FSDP FULL_SHARD", output)) == 2
-    val = [v for _, v in scalars(run_dir)["val/loss"]]
+    val = [e.value for e in events(run_dir).Scalars("val/loss")]
     assert len(val) == 2 and val[-1] < val[0], val
     state = load_training_checkpoint(newest_last(run_dir)).state_dict
     assert state and all(".lora_" in k or k == "speaker_embeddings" for k in state), sorted(state)[:5]
     assert any(".code_predictor." in k for k in state) and state["speaker_embeddings"].abs().sum() > 0
 
 
-def test_lora_checkpoint_is_under_a_tenth_of_full_fine_tuning(runs, workdir, tiny_dir):
-    full_ft = workdir / "full-ft"
-    run_cli(
-        *fit_args(
-            workdir,
-            tiny_dir,
-            "full-ft",
-            "--trainer.max_steps",
-            1,
-            "--trainer.val_check_interval",
-            1,
-            "--trainer.strategy.init_args.state_dict_type",
-            "full",
-            config=REPO / "configs" / "tiny-cpu.yaml",
-        ),
+def test_samples_speak_the_adapted_weights(straight, workdir, tiny_dir):
+    """Under FSDP the callback gathers the shards and generates with a merged copy (rank 0): its
+    audio at the last step is what the merged export of that step's checkpoint speaks with the same
+    seed, and not what the base model speaks."""
+    import soundfile as sf
+
+    from tts_lightning.model.export import export_custom_voice
+    from tts_lightning.model.generation import decode_codes, generate_codes
+    from tts_lightning.model.loading import MetaWeights, build_empty_model
+    from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+    from tts_lightning.model.sequence import tokenize_text
+
+    run_dir, _ = straight
+    acc = events(run_dir)
+    ckpt = newest_last(run_dir)
+    assert load_training_checkpoint(ckpt, keys=["speaker_embeddings"]).global_step == STEPS
+    table = load_training_checkpoint(ckpt, keys=["speaker_embeddings"]).state_dict["speaker_embeddings"]
+    voice = export_custom_voice(ckpt, workdir / "voice-samples", dtype="fp32")
+    info = check_pretrained(tiny_dir)
+    tokenizer, speech = load_text_tokenizer(info), load_speech_tokenizer(info)
+    rows = [(s, i) for s in range(len(SPEAKERS)) for i in range(len(TEXTS))]
+
+    def speak(model):
+        # Capped at SAMPLE_TOKENS frames: generated with one token more (the official generation
+        # expands all tokens but the last into frames) and cut there, as the callback does.
+        codes = generate_codes(
+            model.eval(),
+            [tokenize_text(tokenizer, TEXTS[i]) for _, i in rows],
+            torch.stack([table[s] for s, _ in rows]),
+            ["english"] * len(rows),
+            max_new_tokens=SAMPLE_TOKENS + 1,
+            seed=0,
+        )
+        return decode_codes(speech, [c[:SAMPLE_TOKENS] for c in codes])
+
+    merged = MetaWeights(m := build_empty_model(info), info).materialize_all(m)
+    merged.load_state_dict(load_file(str(voice / "model.safetensors")), strict=False)  # no speaker encoder
+    base = MetaWeights(m := build_empty_model(info), info).materialize_all(m)
+    differs = 0
+    for (s, i), wav, base_wav in zip(rows, speak(merged), speak(base)):
+        clips = acc.Audio(f"samples/{SPEAKERS[s]}/{i}")
+        assert [e.step for e in clips] == [STEPS]  # every second validation: the last one only
+        logged, sr = sf.read(io.BytesIO(clips[0].encoded_audio_string), dtype="float32")
+        assert sr == 24_000 and logged.shape == wav.shape
+        assert np.abs(logged - np.clip(wav, -1, 1)).max() < 2e-4  # 16-bit quantisation in the event file
+        differs += int(logged.shape != base_wav.shape or np.abs(logged - np.clip(base_wav, -1, 1)).max() > 1e-2)
+    assert differs  # the adapters changed what is spoken
+
+
+def test_predict_speaks_from_a_lora_checkpoint(straight, workdir, tiny_dir, cli):
+    """`tts-lightning predict` with the sharded LoRA checkpoint on 2 FSDP ranks: every text x speaker
+    is written once, at 24 kHz."""
+    import soundfile as sf
+
+    run_dir, _ = straight
+    out = workdir / "predicted"
+    texts = ["Hello there.", "How are you today?", "Goodbye."]
+    proc = cli(
+        "predict",
+        "--config",
+        CONFIG,
+        *data_args(workdir, tiny_dir),
+        "--ckpt_path",
+        newest_last(run_dir),
+        "--trainer.logger",
+        "false",
+        "--data.predict_texts",
+        "[" + ", ".join(texts) + "]",
+        "--trainer.callbacks+=tts_lightning.data.predict.PredictionWriter",
+        "--trainer.callbacks.output_dir",
+        out,
         cwd=workdir,
+        timeout=600,
     )
-    lora = newest_last(runs["full"][0]).stat().st_size
-    full = newest_last(full_ft).stat().st_size
-    assert lora < 0.1 * full, (lora, full)
-    print(f"LoRA / full fine-tuning checkpoint (full format): {lora} / {full} bytes = {lora / full:.3f}")
+    assert len(re.findall(r"\[rank \d\] FSDP FULL_SHARD", proc.stdout + proc.stderr)) == 2
+    written = sorted(p.name for p in out.glob("*.wav"))
+    assert written == sorted(f"{i:04d}_{s}.wav" for i in range(len(texts)) for s in SPEAKERS)
+    for name in written:
+        wav, sr = sf.read(out / name)
+        assert sr == 24_000 and len(wav) >= 2 * 1920 and len(wav) % 1920 == 0
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_resume_gives_the_same_adapters(runs, workdir, tiny_dir, state_dict_type):
-    run = f"resumed-{state_dict_type}"
-    common = ("--trainer.strategy.init_args.state_dict_type", state_dict_type)
-    crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH_AT}}}}}'
-    crashed = run_cli(
-        *fit_args(workdir, tiny_dir, run, *common, f"--trainer.callbacks+={crash}"), cwd=workdir, check=False
-    )
-    assert crashed.returncode != 0 and f"exits at global_step {CRASH_AT}" in crashed.stdout
-    assert load_training_checkpoint(workdir / run / "checkpoints" / "last.ckpt").global_step == CHECKPOINT_EVERY
-    resumed = run_cli(*fit_args(workdir, tiny_dir, run, *common, "--ckpt_path", "last"), cwd=workdir)
-    assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
-    straight = load_training_checkpoint(newest_last(runs[state_dict_type][0]))
-    again = load_training_checkpoint(newest_last(workdir / run))
-    assert straight.path.is_dir() == (state_dict_type == "sharded")
-    assert straight.global_step == again.global_step == STEPS
-    assert straight.state_dict.keys() == again.state_dict.keys()
-    for key, value in straight.state_dict.items():
+def test_resume_gives_the_same_adapters(straight, resumed, state_dict_type):
+    run = resumed(state_dict_type)
+    expected = load_training_checkpoint(newest_last(straight[0]))
+    again = load_training_checkpoint(newest_last(run))
+    assert again.path.is_dir() == (state_dict_type == "sharded")
+    assert expected.global_step == again.global_step == STEPS
+    assert expected.state_dict.keys() == again.state_dict.keys()
+    for key, value in expected.state_dict.items():
         torch.testing.assert_close(again.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
+def test_lora_checkpoints_are_under_a_tenth_of_full_fine_tuning(straight, resumed, workdir, tiny_dir, cli):
+    """Against a full fine-tuning checkpoint of the same format (one step: its size does not depend on
+    the step). Full format: under a tenth on disk. Sharded: the tensors (adapters, speaker table,
+    AdamW state) are under a tenth too, but torch.distributed.checkpoint adds ~2 KB per tensor shard
+    per rank (a torch.save zip record each) plus ~0.3 KB of metadata, which on the tiny model's
+    ~450 adapter shards is four fifths of the folder: on disk it stays at about a tenth."""
+    sizes = {}
+    for kind in ("sharded", "full"):
+        run = f"full-ft-{kind}"
+        cli(
+            *fit_args(
+                workdir,
+                tiny_dir,
+                run,
+                "--trainer.max_steps",
+                1,
+                "--trainer.val_check_interval",
+                1,
+                "--trainer.strategy.init_args.state_dict_type",
+                kind,
+                config=REPO / "configs" / "tiny-cpu.yaml",
+            ),
+            cwd=workdir,
+        )
+        lora = newest_last(straight[0] if kind == "sharded" else resumed("full"))
+        sizes[kind] = (lora, newest_last(workdir / run))
+    for kind, (lora, full) in sizes.items():
+        print(
+            f"LoRA / full fine-tuning checkpoint ({kind}): {size_of(lora)} / {size_of(full)} bytes on disk "
+            f"= {size_of(lora) / size_of(full):.4f}; tensors {tensor_bytes(lora)} / {tensor_bytes(full)} "
+            f"= {tensor_bytes(lora) / tensor_bytes(full):.4f}"
+        )
+    lora, full = sizes["full"]
+    assert size_of(lora) < 0.1 * size_of(full), (size_of(lora), size_of(full))
+    lora, full = sizes["sharded"]
+    assert tensor_bytes(lora) < 0.1 * tensor_bytes(full), (tensor_bytes(lora), tensor_bytes(full))
+    assert size_of(lora) < 0.11 * size_of(full), (size_of(lora), size_of(full))
+
+
+def size_of(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def tensor_bytes(path: Path) -> int:
+    """The bytes of the tensors a checkpoint holds (module state and optimizer state)."""
+    if not path.is_dir():
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        found: list[torch.Tensor] = []
+
+        def walk(value):
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    walk(v)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    walk(v)
+
+        walk({"state_dict": raw["state_dict"], "optimizer_states": raw.get("optimizer_states")})
+        return sum(t.numel() * t.element_size() for t in found)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return sum(
+        torch.Size(m.size).numel() * torch.empty(0, dtype=m.properties.dtype).element_size()
+        for m in metadata.values()
+        if hasattr(m, "size")
+    )
+
+
+def test_load_from_checkpoint_reads_a_full_lora_checkpoint(resumed, tiny_dir):
+    """`Qwen3TTSModule.load_from_checkpoint` of a full-format LoRA checkpoint: the base from the
+    pretrained directory, the adapters and the speaker table from the checkpoint."""
+    from tts_lightning import Qwen3TTSModule
+    from tts_lightning.model.loading import WeightReader
+    from tts_lightning.model.lora import checkpoint_key, is_adapter_key
+    from tts_lightning.model.pretrained import check_pretrained
+
+    ckpt = newest_last(resumed("full"))
+    stored = load_training_checkpoint(ckpt).state_dict
+    module = Qwen3TTSModule.load_from_checkpoint(ckpt)
+    assert module.adapter is not None and module.adapter.rank == 4
+    state = module.state_dict()
+    for key, value in stored.items():
+        torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=key)
+    reader = WeightReader(check_pretrained(tiny_dir))
+    for name, param in module.model.named_parameters():
+        if not is_adapter_key(name):
+            assert torch.equal(param, reader.read(checkpoint_key(name)).float()), name
+
+
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_merged_export_equals_the_adapter_model(runs, workdir, tiny_dir, make_datamodule, state_dict_type):
+def test_merged_export_equals_the_adapter_model(straight, resumed, workdir, tiny_dir, make_datamodule, state_dict_type):
+    import inspect
+
     from tts_lightning import Qwen3TTSModule
     from tts_lightning.model.export import export_custom_voice
     from tts_lightning.model.loading import MetaWeights, build_empty_model
     from tts_lightning.model.loss import compute_loss
     from tts_lightning.model.pretrained import check_pretrained
 
-    ckpt = newest_last(runs[state_dict_type][0])
+    ckpt = newest_last(straight[0] if state_dict_type == "sharded" else resumed("full"))
     out = export_custom_voice(ckpt, workdir / f"voice-{state_dict_type}", dtype="fp32")
     reader = CheckpointReader(ckpt)
-    import inspect
-
     accepted = inspect.signature(Qwen3TTSModule).parameters
     module = Qwen3TTSModule(**{k: v for k, v in reader.hyper_parameters.items() if k in accepted})
     module.configure_model()
@@ -205,30 +402,25 @@ def test_merged_export_equals_the_adapter_model(runs, workdir, tiny_dir, make_da
     from qwen_tts import Qwen3TTSModel
 
     voice = Qwen3TTSModel.from_pretrained(str(out))
-    assert set(voice.get_supported_speakers()) == {"alice", "bob"}
+    assert set(voice.get_supported_speakers()) == set(SPEAKERS)
     torch.manual_seed(0)
     wavs, sr = voice.generate_custom_voice(text="Hello there.", speaker="alice", max_new_tokens=24)
     assert sr == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
 
 
-def test_adapter_only_export_is_peft_format(runs, workdir, tiny_dir):
+def test_adapter_only_export_is_peft_format(straight, workdir, tiny_dir, cli):
     from peft import PeftModel
 
     from tts_lightning.model.loading import MetaWeights, build_empty_model
     from tts_lightning.model.lora import MergedWeights
     from tts_lightning.model.pretrained import check_pretrained
 
-    ckpt = newest_last(runs["sharded"][0])
+    ckpt = newest_last(straight[0])
     out = workdir / "adapter"
-    run_cli("export", "--ckpt", ckpt, "--out", out, "--adapter-only", cwd=workdir)
+    cli("export", "--ckpt", ckpt, "--out", out, "--adapter-only", cwd=workdir)
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
-    assert json.loads((out / "speakers.json").read_text())["speakers"] == ["alice", "bob"]
-    merged = (
-        load_file(str(workdir / "voice-sharded" / "model.safetensors"))
-        if (workdir / "voice-sharded").exists()
-        else None
-    )
+    assert json.loads((out / "speakers.json").read_text())["speakers"] == SPEAKERS
 
     info = check_pretrained(tiny_dir)
     base = MetaWeights(model := build_empty_model(info), info).materialize_all(model)
@@ -239,28 +431,19 @@ def test_adapter_only_export_is_peft_format(runs, workdir, tiny_dir):
     a, b = state[f"model.{layer}.lora_A.default.weight"], state[f"model.{layer}.lora_B.default.weight"]
     expected = MetaWeights(m := build_empty_model(info), info).materialize_all(m).get_parameter(f"{layer}.weight")
     torch.testing.assert_close(weights[f"{layer}.weight"], expected + 2.0 * (b @ a), atol=1e-6, rtol=1e-5)
-    if merged is not None:
-        torch.testing.assert_close(weights[f"{layer}.weight"], merged[f"{layer}.weight"], atol=1e-6, rtol=1e-5)
 
 
-def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, tiny_dir):
+def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(straight, workdir, tiny_dir, cli):
     import csv
 
-    run_dir, _ = runs["sharded"]
+    run_dir, _ = straight
     ckpt = next(c for c in sorted(run_dir.rglob("*.ckpt")) if c.name != "last.ckpt")
     logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
-    run_cli(
+    cli(
         "validate",
         "--config",
         CONFIG,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
+        *data_args(workdir, tiny_dir),
         "--trainer.logger",
         "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir",
@@ -274,9 +457,9 @@ def test_validate_a_lora_checkpoint_reports_the_logged_val_loss(runs, workdir, t
     assert abs(reported - logged) < 1e-4, (reported, logged)
 
 
-def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir):
+def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir, cli):
     """Under bf16-mixed the frozen base is stored in bf16 (the adapters stay fp32) and it trains."""
-    proc = run_cli(
+    proc = cli(
         *fit_args(
             workdir,
             tiny_dir,
