@@ -2,10 +2,6 @@
 and under 2-rank FSDP (through the CLI), without touching training's RNG; predict writes wav files."""
 
 import io
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -67,6 +63,7 @@ class RNGProbe(Callback):
             self.states.append(torch.get_rng_state().clone())
 
 
+@pytest.mark.slow  # a fit with two sampling validations: over a minute of `make test-fast` under load
 @needs_resemblyzer
 def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodule, tmp_path):
     L.seed_everything(0)
@@ -186,30 +183,6 @@ def test_without_resemblyzer_logs_audio_and_says_why_once(tiny_dir, make_datamod
     assert "val/speaker_similarity" not in trainer.callback_metrics
 
 
-def run_cli(*args, cwd, timeout):
-    """The CLI in its own process group: on timeout (a deadlock) every rank is killed, not only
-    the launcher, and the test fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tts_lightning", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
-    return stdout + stderr
-
-
 def cli_data_args(tiny_dir, demo_data):
     _, manifest, cache = demo_data
     return [
@@ -227,13 +200,14 @@ def cli_data_args(tiny_dir, demo_data):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tiny_dir, demo_data):
-    """`tts-lightning fit` on 2 FSDP ranks with the callback; a deadlock fails on the timeout."""
+def fsdp_run(run_cli, tiny_dir, demo_data):
+    """`tts-lightning fit` on 2 FSDP ranks with the callback; a deadlock fails on the timeout (the
+    shared launcher, tests/conftest.py, kills every rank then, not only the launcher)."""
     if similarity_unavailable() is not None:
         pytest.skip(similarity_unavailable())
     root = demo_data[0]
     run = root / "fsdp"
-    output = run_cli(
+    proc = run_cli(
         "fit",
         *cli_data_args(tiny_dir, demo_data),
         "--trainer.max_steps",
@@ -263,7 +237,7 @@ def fsdp_run(tiny_dir, demo_data):
         cwd=root,
         timeout=300,
     )
-    return run, output
+    return run, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -313,6 +287,7 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
         assert np.abs(logged - np.clip(wav, -1, 1)).max() < 2e-4  # 16-bit quantisation in the event file
 
 
+@pytest.mark.slow  # 7 generations and their decoding: ~55 s of `make test-fast` under load
 def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
     data = make_datamodule()
     data.setup("fit")
@@ -362,7 +337,7 @@ def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
+def test_cli_predict_with_two_fsdp_ranks(run_cli, fsdp_run, tiny_dir, demo_data):
     """`tts-lightning predict` from the sharded checkpoint: both ranks generate in lockstep (rows of
     different lengths), each text x speaker is written once."""
     run, _ = fsdp_run
@@ -381,7 +356,7 @@ def test_cli_predict_with_two_fsdp_ranks(fsdp_run, tiny_dir, demo_data):
         "--trainer.callbacks.output_dir",
         out,
         cwd=run,
-        timeout=150,
+        timeout=300,
     )
     written = sorted(p.name for p in out.glob("*.wav"))
     assert written == [f"{i:04d}_{s}.wav" for i in range(len(texts)) for s in SPEAKERS]
