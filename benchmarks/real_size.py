@@ -1,5 +1,6 @@
 """One rank of a 4-rank FULL_SHARD run of the released 1.7B, emulated in one process, measured next
-to the planner's prediction for the same settings.
+to the planner's prediction for the same settings; ``--strategy fsdp2`` runs the same with
+`Qwen3TTSFSDP2Strategy` (FSDP2, ``fully_shard``) instead of the FSDP1 `Qwen3TTSFSDPStrategy`.
 
 torch's fake process group (``torch.testing._internal.distributed.fake_pg``) stands in for the other
 ranks: FSDP allocates exactly this rank's shards, gather buffers and reduce-scatter outputs, and
@@ -16,6 +17,7 @@ RSS above the level at the start of training, sampled), next to `plan_memory` fo
 the run actually saw. Goal: within 15%.
 
     PYTHONPATH=. python benchmarks/real_size.py                      # 1.7B, rank 0 of 4, CPU fp32
+    PYTHONPATH=. python benchmarks/real_size.py --strategy fsdp2          # the same with FSDP2
     PYTHONPATH=. python benchmarks/real_size.py --size 0.6b --world 1
     PYTHONPATH=. python benchmarks/real_size.py --device cuda --precision bf16-mixed --gpu-memory 16
 """
@@ -44,6 +46,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--gpu-memory", type=float, default=None, help="cap this process's GPU memory (GiB)")
     p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--strategy", default="fsdp1", choices=("fsdp1", "fsdp2"), help="FSDP1 or FSDP2 (fully_shard)")
     p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     return p.parse_args()
@@ -135,7 +138,12 @@ def main() -> int:
     )
     data.prepare()
     module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
-    strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
+    if args.strategy == "fsdp2":
+        from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
+
+        strategy: L.pytorch.strategies.Strategy = Qwen3TTSFSDP2Strategy(cpu_offload=args.cpu_offload)
+    else:
+        strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -185,6 +193,7 @@ def main() -> int:
         "device": args.device,
         "precision": precision,
         "cpu_offload": args.cpu_offload,
+        "strategy": args.strategy,
         "positions": probe.positions,
         "steps": len(probe.step_seconds),
         "model_states": states,
@@ -203,7 +212,7 @@ def main() -> int:
         peak_flops = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H200/H100 bf16 dense
         figures["mfu"] = flops / peak_flops
     print(
-        f"\n{args.size}: rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
+        f"\n{args.size}: {args.strategy}, rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
         f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
         f"{len(probe.step_seconds)} steps"
     )
