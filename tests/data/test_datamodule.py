@@ -320,6 +320,7 @@ def test_the_report_is_shown_once_per_fit(tiny_dir, prepared, tmp_path):
     assert reports[1] == f"data report unchanged ({data.report_path}): 24 clips accepted, 0 rejected"
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ranks(tiny_dir, tmp_path, monkeypatch):
     cache = tmp_path / "user-cache"
     env = {**os.environ, "TTS_LIGHTNING_CACHE": str(cache)}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
 
@@ -45,6 +47,7 @@ def _files(cache: Path) -> dict[str, bytes]:
     return {p.relative_to(cache).as_posix(): p.read_bytes() for p in paths}
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path):
     shutil.copytree(demo_dir(), tmp_path / "demo", ignore=shutil.ignore_patterns(".*"))
     manifest = tmp_path / "demo" / "train.jsonl"

@@ -8,6 +8,7 @@ import socket
 from types import SimpleNamespace
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,6 +54,7 @@ def _worker(rank, port, tiny_dir, table, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_every_rank_holds_every_speaker(tiny_dir, tmp_path):
     table = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 3
     mp.spawn(_worker, args=(_free_port(), str(tiny_dir), table, str(tmp_path)), nprocs=2, join=True)

@@ -94,6 +94,7 @@ def test_generate_voice_clone_end_to_end(tiny_dir):
     assert wavs[0].ndim == 1 and wavs[0].size > 0 and wavs[0].size % SAMPLES_PER_FRAME == 0
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_custom_voice_generates(tiny_custom_voice_dir):
     from qwen_tts import Qwen3TTSModel
 
@@ -104,6 +105,7 @@ def test_custom_voice_generates(tiny_custom_voice_dir):
     assert sr == 24_000 and wavs[0].size > 0
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_same_seed_same_bytes_other_seed_other_weights(tiny_dir, tmp_path):
     # A separate process, so nothing cached in this one can make the bytes agree.
     code = (
@@ -126,6 +128,7 @@ def test_second_call_reuses_directory(tiny_dir):
         build_tiny_pretrained(tiny_dir, seed=5)
 
 
+@pytest.mark.slow  # multi-process or a model build: about a minute
 def test_cli_builds(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "tts_lightning", "tiny-model", str(tmp_path / "m"), "--seed", "3"],
