@@ -44,7 +44,8 @@ def _new_speaker_ids(talker_config: dict, count: int) -> list[int]:
     used = {v for k, v in talker_config.items() if k.startswith("codec_") and isinstance(v, int)}
     used |= set((talker_config.get("codec_language_id") or {}).values())
     used |= set((talker_config.get("spk_id") or {}).values())
-    ids, candidate = [], vocab - 72
+    ids: list[int] = []
+    candidate = vocab - 72
     while len(ids) < count:
         if candidate >= vocab:
             raise ExportError(f"no free codec id left for {count} new speakers (vocab {vocab})")
@@ -178,7 +179,10 @@ def export_custom_voice(
         raise CheckpointError(f"{ckpt}: speaker_embeddings has {embeddings.shape[0]} rows for {len(speakers)} speakers")
     if (embeddings.abs().sum(1) == 0).any():
         raise ExportError(f"{ckpt}: some speakers have no embedding yet (never seen in a step)")
-    info = check_pretrained(pretrained or hp.get("pretrained"))
+    source = pretrained or hp.get("pretrained")
+    if source is None:
+        raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
+    info = check_pretrained(source)
     config = json.loads((info.path / "config.json").read_text())
     talker = config["talker_config"]
     existing = {k.lower() for k in (talker.get("spk_id") or {})}

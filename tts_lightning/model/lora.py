@@ -120,7 +120,7 @@ def lora_config(settings: LoRASettings, targets: list[str], *, base_model: str |
 
     return LoraConfig(
         r=int(settings.rank),
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r
         lora_dropout=float(settings.dropout),
         target_modules=list(targets),
         bias="none",
