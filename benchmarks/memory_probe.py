@@ -53,7 +53,8 @@ class StartupMemory(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         above = self.sampler.stop()
-        local = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        # FSDP1: orig-param views of the local flat shard; FSDP2: DTensors, whose local part counts.
+        local = sum(getattr(p, "to_local", lambda p=p: p)().numel() * p.element_size() for p in pl_module.parameters())
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(
             json.dumps(

@@ -18,6 +18,7 @@ weights. With 2 ranks each FULL_SHARD rank keeps half the fp32 parameters (0.5x)
 beside its peak.
 
     PYTHONPATH=. python benchmarks/startup_memory.py        # ~10 minutes, ~12 GiB of RAM, 6 GiB disk
+    PYTHONPATH=. python benchmarks/startup_memory.py --config configs/tiny-cpu-fsdp2.yaml   # FSDP2
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def last_json(output: str) -> dict:
 
 
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny-cpu.yaml", help="the fit config (its strategy is measured)")
+    args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     from released_dir import build_released_dir
 
@@ -103,7 +109,7 @@ def main() -> int:
             "tts_lightning",
             "fit",
             "--config",
-            "configs/tiny-cpu.yaml",
+            args.config,
             "--data.pretrained",
             str(pretrained),
             "--data.cache_dir",
@@ -144,7 +150,7 @@ def main() -> int:
         f"{loads['meta'] / fp32:5.2f}x"
     )
     print(f"  now / before                                          {loads['meta'] / loads['legacy']:5.2f}")
-    print("\nfit startup, 2 FSDP ranks (setup -> on_train_start), peak RSS above baseline / fp32 model:")
+    print(f"\nfit startup, 2 ranks of {args.config} (setup -> on_train_start), peak RSS above baseline / fp32 model:")
     for r in ranks:
         print(
             f"  rank {r['rank']}: {r['peak_above_baseline'] / GiB:6.2f} GiB  {r['peak_above_baseline'] / fp32:5.2f}x"

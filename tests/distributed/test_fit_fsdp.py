@@ -117,6 +117,20 @@ def test_seeded_run_matches_the_golden_losses(fitted):
         assert val[step] == pytest.approx(value, rel=1e-4), ("val/loss", step)
 
 
+def test_load_from_checkpoint_reads_the_sharded_checkpoint(fitted):
+    """`Qwen3TTSModule.load_from_checkpoint` of a sharded (folder) checkpoint gives the module
+    every tensor the checkpoint holds, exactly."""
+    from tts_lightning import Qwen3TTSModule
+
+    ckpt = final_weights(fitted[0])
+    newest = max(Path(fitted[0]).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert newest.is_dir()
+    state = Qwen3TTSModule.load_from_checkpoint(newest).state_dict()
+    assert set(ckpt.state_dict) == set(state)
+    for key, value in ckpt.state_dict.items():
+        assert torch.equal(state[key], value), key
+
+
 def final_weights(run_dir):
     # A resumed run logs into a new version folder: take the newest `last`.
     newest = max(Path(run_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)

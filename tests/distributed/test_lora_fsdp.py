@@ -339,15 +339,17 @@ def tensor_bytes(path: Path) -> int:
     )
 
 
-def test_load_from_checkpoint_reads_a_full_lora_checkpoint(resumed, tiny_dir):
-    """`Qwen3TTSModule.load_from_checkpoint` of a full-format LoRA checkpoint: the base from the
-    pretrained directory, the adapters and the speaker table from the checkpoint."""
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_load_from_checkpoint_reads_a_lora_checkpoint(straight, resumed, tiny_dir, state_dict_type):
+    """`Qwen3TTSModule.load_from_checkpoint` of a LoRA checkpoint, a folder (sharded) or a file: the
+    base from the pretrained directory, the adapters and the speaker table from the checkpoint."""
     from tts_lightning import Qwen3TTSModule
     from tts_lightning.model.loading import WeightReader
     from tts_lightning.model.lora import checkpoint_key, is_adapter_key
     from tts_lightning.model.pretrained import check_pretrained
 
-    ckpt = newest_last(resumed("full"))
+    ckpt = newest_last(straight[0] if state_dict_type == "sharded" else resumed("full"))
+    assert ckpt.is_dir() == (state_dict_type == "sharded")
     stored = load_training_checkpoint(ckpt).state_dict
     module = Qwen3TTSModule.load_from_checkpoint(ckpt)
     assert module.adapter is not None and module.adapter.rank == 4

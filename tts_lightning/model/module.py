@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import lightning as L
@@ -187,6 +189,42 @@ class Qwen3TTSModule(L.LightningModule):
         return cast(nn.Module, self.model.talker)
 
     # -- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Qwen3TTSModule:
+        """Lightning's, plus the sharded checkpoints (folders) the FSDP strategies write: their module
+        tensors are read by key on the CPU (never the optimizer state); a LoRA checkpoint's frozen
+        base comes from the pretrained directory, as in training."""
+        if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_dir():
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+            )
+        import inspect
+
+        from tts_lightning.model.checkpoint import CheckpointReader
+
+        reader = CheckpointReader(checkpoint_path, trust=weights_only is False)
+        accepted = inspect.signature(cls).parameters
+        module = cls(**{k: v for k, v in {**reader.hyper_parameters, **kwargs}.items() if k in accepted})
+        module.configure_model()
+        state = reader.read(reader.tensor_keys())
+        module.on_load_checkpoint({"state_dict": state})  # a LoRA checkpoint must hold every trainable tensor
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        strict = module.strict_loading if strict is None else strict
+        if unexpected or (strict and missing):
+            raise KeyError(
+                f"{checkpoint_path} does not match this module: {len(missing)} missing key(s) {missing[:3]}, "
+                f"{len(unexpected)} unexpected {unexpected[:3]}"
+            )
+        return module.to(map_location) if isinstance(map_location, (str, torch.device)) else module
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With an adapter, the checkpoint keeps the trainable tensors and the buffers (the
         speaker table) only: the frozen base is the pretrained directory's, rebuilt on load."""
