@@ -72,6 +72,51 @@ def fsdp2_run(run_cli, workdir, tiny_dir):
     return workdir / "fsdp2", proc.stdout + proc.stderr
 
 
+def _scalars(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list(Path(run_dir).rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {run_dir}"
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_fsdp2_logs_the_metrics_fsdp1_logs(fsdp1_run, fsdp2_run):
+    """Sharding must not touch the torchmetrics states (materializing the meta model once wiped
+    them: accuracies of 1e14): every accuracy FSDP1 logs, FSDP2 logs with the same value."""
+    ref, new = _scalars(fsdp1_run), _scalars(fsdp2_run[0])
+    accuracies = [tag for tag in ref if "acc_codebook" in tag]
+    assert "val/acc_codebook_0" in accuracies and "train/acc_codebook_15_step" in accuracies
+    for tag in accuracies:
+        assert [step for step, _ in new[tag]] == [step for step, _ in ref[tag]], tag
+        for (_, value), (_, expected) in zip(new[tag], ref[tag]):
+            assert 0.0 <= value <= 1.0 and value == pytest.approx(expected, abs=1e-6), tag
+
+
+def test_lora_is_refused_with_a_clear_error(tiny_dir, make_datamodule, tmp_path):
+    """LoRA checkpoints hold the trainable tensors only, which this strategy cannot load yet."""
+    import lightning as L
+
+    from tts_lightning import Qwen3TTSModule
+    from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
+
+    data = make_datamodule()
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, adapter={"rank": 4, "alpha": 8.0})
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=Qwen3TTSFSDP2Strategy(),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError, match="LoRA .* not supported with Qwen3TTSFSDP2Strategy yet: use .*FSDPStrategy"):
+        trainer.fit(module, datamodule=data)
+
+
 def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
     run_dir, output = fsdp2_run
     held = re.findall(r"\[rank (\d)\] FSDP2 fully_shard: ([\d,]+) of ([\d,]+) parameters held locally", output)

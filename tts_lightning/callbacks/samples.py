@@ -291,13 +291,13 @@ class SpeakerSamplesCallback(Callback):
         generated = None
         # Sampling, and building the tokenizers and the encoder (random init before loading), draw
         # from the global RNG: training's stream must not see it.
-        with generation_model(trainer, pl_module) as model:
-            if model is not None:
-                try:
+        try:  # building rank 0's copy can fail too (out of memory): it must reach the broadcast as well
+            with generation_model(trainer, pl_module) as model:
+                if model is not None:
                     with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
                         generated = self._generate(trainer, pl_module, model)
-                except Exception as exc:  # raised on every rank below, after the broadcast
-                    error = exc
+        except Exception as exc:  # raised on every rank below, after the broadcast
+            error = exc
         if generated is not None:  # rank 0, the generation copy freed
             try:
                 with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):

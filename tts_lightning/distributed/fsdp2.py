@@ -15,13 +15,15 @@ Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the mod
 Every parameter is a DTensor sharded on dim 0 over all ranks; frozen ones have no gradient. Under
 ``bf16-mixed`` the units compute in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``) while the sharded master weights, gradients and optimizer state stay fp32,
-and buffers (the MRoPE ``inv_freq``) are never cast. ``cpu_offload`` keeps the shards in host memory
-(``CPUOffloadPolicy``). Weights are loaded without a full copy on any rank: the meta model is
-sharded, ``to_empty`` allocates the shards, and global rank 0 reads and scatters one tensor at a
-time (`tts_lightning.model.loading.MetaWeights.fill_sharded`); the real buffers built with the
-model are kept. Checkpoints: ``sharded`` (torch.distributed.checkpoint, one file per rank) or ``full``
-(one file, gathered on rank 0), both written atomically (`AtomicCheckpoints`). CPU with gloo works
-(CI trains with real processes). Collectives only on the root device (NCCL refuses CPU tensors).
+and buffers (the MRoPE ``inv_freq``) are not cast (``bf16-true`` casts everything, as Lightning
+does). ``cpu_offload`` keeps the shards in host memory (``CPUOffloadPolicy``; not yet run on a GPU).
+Weights are loaded without a full copy on any rank: the meta model is sharded, its meta tensors
+are allocated as shards, and global rank 0 reads and scatters one tensor at a time
+(`tts_lightning.model.loading.MetaWeights.fill_sharded`); the real tensors (buffers, metric states)
+are kept. LoRA is refused for now (use `Qwen3TTSFSDPStrategy`). Checkpoints: ``sharded``
+(torch.distributed.checkpoint, one file per rank) or ``full`` (one file, gathered on rank 0), both
+written atomically (`AtomicCheckpoints`). CPU with gloo works (CI trains with real processes).
+Collectives only on the root device (NCCL refuses CPU tensors).
 """
 
 from __future__ import annotations
@@ -131,6 +133,12 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
 
         module = self.lightning_module
         assert module is not None
+        if getattr(module, "adapter", None) is not None:
+            # Its checkpoints hold the trainable tensors only; this strategy's loading wants every key.
+            raise ValueError(
+                f"LoRA (`model.adapter`) is not supported with {type(self).__name__} yet: use "
+                "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (see configs/tiny-cpu-lora.yaml)"
+            )
         if not isinstance(module, FSDPModule):
             self._shard(module)
         super().setup(trainer)
@@ -159,14 +167,26 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
             setattr(module, "pending_weights", None)
 
     def _materialize(self, module: nn.Module, model: nn.Module, weights) -> None:
-        """``to_empty`` allocates every rank's shards (and would wipe the real buffers: they are
-        put back), then rank 0 reads and scatters the weights one tensor at a time."""
-        device = self.root_device
-        kept = [(sub, name, buf) for sub in module.modules() for name, buf in sub._buffers.items() if buf is not None]
-        module.to_empty(device=device)
-        for sub, name, buf in kept:
-            sub._buffers[name] = buf.to(device)  # same dtype: inv_freq stays fp32
-        weights.fill_sharded(model, device=device, broadcast=self.world_size > 1)
+        """Allocate every rank's shards (in host memory under ``cpu_offload``), then rank 0 reads and
+        scatters the weights one tensor at a time. Only meta tensors are replaced: ``to_empty`` would
+        also wipe the real ones (the MRoPE ``inv_freq`` buffers, the torchmetrics states and their
+        reset values); those move as ``.to()`` moves them, values and dtype kept."""
+        shards = torch.device("cpu") if self.cpu_offload else self.root_device
+        root = self.root_device
+        # Through the root FSDPModule's _apply, which re-registers the sharded parameters after it.
+        module._apply(lambda t: torch.empty_like(t, device=shards) if t.is_meta else t.to(root))
+        weights.fill_sharded(model, device=root, broadcast=self.world_size > 1)
+
+    def model_to_device(self) -> None:
+        """Under ``cpu_offload`` the sharded parameters stay in host memory (FSDP2 refuses them on
+        the GPU); buffers and metric states go to the device."""
+        if not self.cpu_offload:
+            return super().model_to_device()
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None
+        root = self.root_device
+        self.model._apply(lambda t: t if isinstance(t, DTensor) else t.to(root))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Generation calls the model's submodules, never the LightningModule's ``forward``: make the

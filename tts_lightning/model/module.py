@@ -212,7 +212,8 @@ class Qwen3TTSModule(L.LightningModule):
 
         reader = CheckpointReader(checkpoint_path, trust=weights_only is False)
         accepted = inspect.signature(cls).parameters
-        module = cls(**{k: v for k, v in {**reader.hyper_parameters, **kwargs}.items() if k in accepted})
+        stored = {k: v for k, v in reader.hyper_parameters.items() if k in accepted}
+        module = cls(**{**stored, **kwargs})  # an unknown keyword fails here, as in Lightning
         module.configure_model()
         state = reader.read(reader.tensor_keys())
         module.on_load_checkpoint({"state_dict": state})  # a LoRA checkpoint must hold every trainable tensor
