@@ -20,10 +20,17 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _no_leaked_process_group():
     """A test that initializes torch.distributed in this process and fails (or forgets) before its
-    destroy_process_group() must not hand its group to the next test (as litgpt's conftest does)."""
+    destroy_process_group() must not hand its group to the next test (as litgpt's conftest does),
+    nor the variables Lightning sets for it (MASTER_PORT, WORLD_SIZE, LOCAL_RANK, ...): every later
+    `tts-lightning fit` subprocess inherits the environment and would join that one-process world."""
+    import os
+
+    environ = dict(os.environ)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(scope="session")
