@@ -1,6 +1,7 @@
-"""`tts-lightning ray-fit` on a local Ray cluster (CPU, 2 workers, FSDP, tiny model): a straight
-fit exported for qwen_tts, a worker crash resumed from the last reported checkpoint, and the same
-crash without retries failing cleanly with its checkpoint intact."""
+"""`tts-lightning ray-fit` on a local Ray cluster (CPU, 2 workers, tiny model): a straight FSDP1 fit
+exported for qwen_tts, a worker crash under FSDP2 resumed from the last reported checkpoint (ending
+with the straight run's weights), and the same crash without retries failing cleanly with its
+checkpoint intact."""
 
 import json
 import re
@@ -18,20 +19,22 @@ from tts_lightning.model.checkpoint import load_training_checkpoint
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+CONFIG = REPO / "configs" / "tiny-cpu.yaml"  # FSDP1
+FSDP2_CONFIG = REPO / "configs" / "tiny-cpu-fsdp2.yaml"  # the same run with FSDP2
 MAX_STEPS, EVERY, CRASH_AT = 8, 3, 5  # checkpoints at 3, 6, 8; rank 1 dies before step 6 runs
 needs_ray = pytest.mark.skipif(ray_cli.ray_missing() is not None, reason="needs the ray extra")
 
 
-def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), timeout=900):
+def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), config=CONFIG, timeout=900):
     """`tts-lightning ray-fit` in a fresh process (its own local Ray cluster), as a user would run it,
-    through the shared launcher (tests/conftest.py): on a timeout its whole process group is killed."""
+    through the shared launcher (tests/conftest.py): on a timeout its whole process group is killed.
+    The output is also kept in ``<workdir>/<run>.log``."""
     extra_config = workdir / f"{run}.yaml"
     extra_config.write_text(json.dumps({"trainer": {"callbacks": list(callbacks)}}))  # JSON is YAML
     args = [
         "ray-fit",
         "--config",
-        CONFIG,
+        config,
         "--config",
         extra_config,
         "--data.pretrained",
@@ -60,7 +63,9 @@ def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), timeout=900):
     ]
     # The workers import ray_test_callbacks from this folder; RAY_DEDUP_LOGS=0 keeps every rank's lines.
     proc = run_cli(*args, cwd=workdir, timeout=timeout, check=False, pythonpath=[HERE], env={"RAY_DEDUP_LOGS": "0"})
-    return proc, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    (workdir / f"{run}.log").write_text(log)
+    return proc, log
 
 
 def record(path):
@@ -136,14 +141,38 @@ def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny
 
 @needs_ray
 def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdir, tiny_dir):
+    """Under FSDP2 (RayQwen3TTSFSDP2Strategy), while `straight` ran FSDP1: the same config with the
+    other strategy, so one launch covers FSDP2's Ray run, its DCP shards merged into the reported
+    checkpoint and the resume from it."""
     marker, steps_file = workdir / "crashed.marker", workdir / "resumed.jsonl"
     proc, log = ray_fit(
-        run_cli, workdir, tiny_dir, "resumed", "--ray.max_failures", 1, callbacks=[crash(marker), record(steps_file)]
+        run_cli,
+        workdir,
+        tiny_dir,
+        "resumed",
+        "--ray.max_failures",
+        1,
+        callbacks=[crash(marker), record(steps_file)],
+        config=FSDP2_CONFIG,
     )
     assert proc.returncode == 0, log[-8000:]
     assert marker.is_file() and f"rank 1 exits at global_step {CRASH_AT}" in log
     run_dir = workdir / "resumed"
     assert re.search(r"resuming from \S+checkpoint_step000003", log)
+    # FSDP2 in both attempts, on both ranks (four worker processes; Ray may echo a line twice):
+    # each holds half of the parameters.
+    held = re.findall(
+        r"pid=(\d+)\S* \[rank (\d)\] FSDP2 fully_shard: ([\d,]+) of ([\d,]+) parameters held locally", log
+    )
+    workers = {(pid, rank) for pid, rank, _, _ in held}
+    assert len(workers) == 4 and sorted(rank for _, rank in workers) == ["0", "0", "1", "1"], log[-4000:]
+    for _, _, local, total in held:
+        assert 0.45 < int(local.replace(",", "")) / int(total.replace(",", "")) < 0.55
+    assert "FSDP FULL_SHARD:" not in log  # no FSDP1 worker
+    for step in (3, 6, 8):  # DCP shards of both ranks merged into each reported checkpoint
+        saved = checkpoint_of(run_dir, step)
+        assert (saved / ".metadata").is_file() and (saved / "meta.pt").is_file()
+        assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
     first, second = attempts(steps_file)
     assert first[0] == 0 and [s for s, _ in first[1]] == list(range(1, CRASH_AT + 1))
@@ -157,12 +186,20 @@ def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdi
     assert second[1] == straight_steps[last_saved:]
 
     # Step, optimizer, LR schedule and data restored: the weights equal the uninterrupted run's.
+    # That run trained with FSDP1 and this one with FSDP2, on the same batches in fp32: the bound is
+    # the one tests/distributed/test_fsdp2.py::test_fsdp2_trains_like_fsdp1 holds FSDP2 to against
+    # FSDP1 in plain `fit` (atol 1e-5, rtol 1e-5); a resume within one strategy is held to 1e-6.
     resumed = load_training_checkpoint(checkpoint_of(run_dir, MAX_STEPS))
     reference = load_training_checkpoint(checkpoint_of(straight[0], MAX_STEPS))
     assert resumed.global_step == reference.global_step == MAX_STEPS
     assert resumed.state_dict.keys() == reference.state_dict.keys()
     for key, value in reference.state_dict.items():
-        torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+        torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-5, rtol=1e-5, msg=key)
+    # The weights moved, or the comparison proves nothing.
+    start = load_training_checkpoint(checkpoint_of(run_dir, last_saved))
+    assert not torch.equal(
+        start.state_dict["model.talker.codec_head.weight"], resumed.state_dict["model.talker.codec_head.weight"]
+    )
 
 
 @needs_ray
@@ -241,6 +278,43 @@ def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, cap
     assert rc == code
     assert needle in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+@needs_ray
+@pytest.mark.parametrize(
+    "strategy, needle",
+    [
+        ("ddp", "trainer.strategy='ddp' is not supported"),
+        (
+            '{"class_path": "lightning.pytorch.strategies.DDPStrategy"}',
+            "trainer.strategy lightning.pytorch.strategies.DDPStrategy is not supported",
+        ),
+    ],
+    ids=["name", "class_path"],
+)
+def test_a_strategy_other_than_fsdp1_or_fsdp2_is_refused_before_ray_starts(
+    workdir, tiny_dir, tmp_path, capsys, strategy, needle
+):
+    import ray
+
+    cache = tmp_path / "cache"
+    args = [
+        "--config",
+        str(CONFIG),
+        "--data.pretrained",
+        str(tiny_dir),
+        "--data.train_manifest",
+        str(workdir / "demo" / "train.jsonl"),
+        "--data.cache_dir",
+        str(cache),
+        "--trainer.strategy",
+        strategy,
+    ]
+    assert ray_cli.ray_fit_command(args) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tts-lightning ray-fit: error: ray-fit trains with FSDP1 or FSDP2;" in err and needle in err
+    assert "tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2)" in err  # says what works
+    assert not ray.is_initialized() and not cache.exists()  # before Ray and before the data
 
 
 def test_unknown_ray_option_is_refused(capsys):

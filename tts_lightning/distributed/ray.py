@@ -5,20 +5,26 @@ is the command (``tts-lightning ray-fit``) and checks for it before importing th
 
 How a run goes:
 1. The driver parses the config exactly as ``tts-lightning fit`` does (bad configs fail before Ray
-   starts) and runs the data module's `prepare()` once: codec tokens, speaker embeddings and the
-   index land in ``data.cache_dir``. Every worker reads that folder, so on a multi-node cluster it
-   must be shared storage (NFS, ...) mounted at the same path; here it is the local disk.
+   starts, and so does a ``trainer.strategy`` other than FSDP1 or FSDP2) and runs the data module's
+   `prepare()` once: codec tokens, speaker embeddings and the index land in ``data.cache_dir``.
+   Every worker reads that folder, so on a multi-node cluster it must be shared storage (NFS, ...)
+   mounted at the same path; here it is the local disk.
 2. Each Ray worker builds the model, data module and trainer from the same arguments, with the
-   strategy replaced by `RayQwen3TTSFSDPStrategy` (the wrap / activation-checkpointing policies,
-   bf16 buffer handling and CPU ``device_id`` fix of `Qwen3TTSFSDPStrategy`, with Ray's device and
-   ranks), ``RayLightningEnvironment`` as cluster environment, one process per worker (the
-   config's ``devices`` / ``num_nodes`` are replaced by Ray's workers) and `RayCheckpointReport`.
-   Only global rank 0 runs ``prepare_data``, which finds everything cached and encodes nothing.
+   strategy replaced by its Ray variant, the config's init_args kept: `RayQwen3TTSFSDPStrategy`
+   for FSDP1 (``auto``, ``fsdp`` or `Qwen3TTSFSDPStrategy`: its wrap / activation-checkpointing
+   policies, bf16 buffer handling and CPU ``device_id`` fix) or `RayQwen3TTSFSDP2Strategy` for
+   FSDP2 (`Qwen3TTSFSDP2Strategy`: ``fully_shard`` units, its data-parallel mesh built on Ray's
+   process group), each with Ray's device and ranks; ``RayLightningEnvironment`` as cluster
+   environment, one process per worker (the config's ``devices`` / ``num_nodes`` are replaced by
+   Ray's workers) and `RayCheckpointReport`. Only global rank 0 runs ``prepare_data``, which finds
+   everything cached and encodes nothing.
 3. `RayCheckpointReport` saves a Lightning checkpoint every N optimizer steps (or each epoch end)
    and at the end, and reports it to Ray; Ray copies it to ``<storage_path>/<name>/checkpoint_stepNNNNNN/
-   checkpoint.ckpt``. After a worker failure Ray restarts the worker group (``max_failures``) and
-   each worker resumes with ``trainer.fit(..., ckpt_path=<latest reported checkpoint>)``: global
-   step, optimizer, LR scheduler and the data position (the sampler's state) are restored.
+   checkpoint.ckpt`` (a sharded folder in torch.distributed.checkpoint's layout, the same under
+   FSDP1 and FSDP2, or one file). After a worker failure Ray restarts the worker group
+   (``max_failures``) and each worker resumes with ``trainer.fit(..., ckpt_path=<latest reported
+   checkpoint>)``: global step, optimizer, LR scheduler and the data position (the sampler's state)
+   are restored.
 """
 
 from __future__ import annotations
@@ -37,14 +43,18 @@ from typing import Any
 
 import ray
 import ray.train
+import ray.train.torch
+import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import Strategy
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment, prepare_trainer
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 
 CHECKPOINT_NAME = "checkpoint.ckpt"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
@@ -55,6 +65,40 @@ class RayQwen3TTSFSDPStrategy(Qwen3TTSFSDPStrategy, RayFSDPStrategy):
     ``device_id`` fix, shard report) with Ray's device and ranks. Ray Train creates the process
     group before the worker function runs (gloo when no GPU is requested, else nccl), so
     ``process_group_backend`` and ``timeout`` act through the launcher's `TorchConfig`."""
+
+
+class RayQwen3TTSFSDP2Strategy(Qwen3TTSFSDP2Strategy):
+    """`Qwen3TTSFSDP2Strategy` (``fully_shard`` units, meta weights filled from rank 0, fp32
+    buffers under bf16-mixed, shard report) with Ray's device and ranks: what Ray's
+    `RayFSDPStrategy` sets for FSDP1 (its ``root_device``; the sampler's world size and global
+    rank are the base class's already), with ranks from ``RayLightningEnvironment``.
+
+    Ray Train creates the process group before the worker function runs (gloo when no GPU is
+    requested, else nccl), so ``process_group_backend`` and ``timeout`` act through the launcher's
+    `TorchConfig`: Lightning's ``_init_dist_connection`` finds the group initialized and returns,
+    and the one-dimensional data-parallel mesh (``init_device_mesh``) is built on that group."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return ray.train.torch.get_device()
+
+    def _get_process_group_backend(self) -> str:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return str(torch.distributed.get_backend())  # Ray's, not a guess from the device
+        return super()._get_process_group_backend()
+
+
+# The strategies ray-fit trains with, by class name (``trainer.strategy.class_path``'s last part).
+RAY_STRATEGIES: dict[str, type[Strategy]] = {
+    "Qwen3TTSFSDPStrategy": RayQwen3TTSFSDPStrategy,
+    "RayQwen3TTSFSDPStrategy": RayQwen3TTSFSDPStrategy,
+    "Qwen3TTSFSDP2Strategy": RayQwen3TTSFSDP2Strategy,
+    "RayQwen3TTSFSDP2Strategy": RayQwen3TTSFSDP2Strategy,
+}
+_SUPPORTED = (
+    "use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or "
+    "tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2)"
+)
 
 
 class RayFitError(RuntimeError):
@@ -102,30 +146,27 @@ def build_cli(args: list[str], trainer_overrides: Callable[[TTSLightningCLI], di
         return cli_main(args, run=False, cli_class=_RayCLI)
 
 
-def strategy_init_args(strategy: Any) -> dict[str, Any]:
-    """The `Qwen3TTSFSDPStrategy` arguments of the config's ``trainer.strategy``: its init_args when
-    it names that class, the defaults for ``auto`` / ``fsdp`` / unset."""
+def ray_strategy(strategy: Any) -> tuple[type[Strategy], dict[str, Any]]:
+    """The Ray strategy class for the config's ``trainer.strategy`` and the init_args to build it
+    with: `RayQwen3TTSFSDPStrategy` for ``auto`` / ``fsdp`` / unset (defaults) and
+    `Qwen3TTSFSDPStrategy` (FSDP1), `RayQwen3TTSFSDP2Strategy` for `Qwen3TTSFSDP2Strategy` (FSDP2),
+    each with the config's init_args. Any other strategy raises ValueError (the driver calls this
+    before Ray starts)."""
     if strategy is None or (isinstance(strategy, str) and strategy in ("auto", "fsdp")):
-        return {}
+        return RayQwen3TTSFSDPStrategy, {}
     class_path = getattr(strategy, "class_path", None) if not isinstance(strategy, dict) else strategy.get("class_path")
-    if class_path is None:
-        raise ValueError(
-            f"ray-fit trains with FSDP (RayQwen3TTSFSDPStrategy); trainer.strategy={strategy!r} is not supported "
-            "(use auto, fsdp or tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy)"
-        )
-    name = class_path.rsplit(".", 1)[-1]
-    if name not in ("Qwen3TTSFSDPStrategy", "RayQwen3TTSFSDPStrategy"):
-        raise ValueError(
-            f"ray-fit trains with FSDP (RayQwen3TTSFSDPStrategy); trainer.strategy {class_path} is not supported"
-        )
+    cls = None if class_path is None else RAY_STRATEGIES.get(str(class_path).rsplit(".", 1)[-1])
+    if cls is None:
+        named = f"={strategy!r}" if class_path is None else f" {class_path}"
+        raise ValueError(f"ray-fit trains with FSDP1 or FSDP2; trainer.strategy{named} is not supported ({_SUPPORTED})")
     init = strategy.get("init_args") if isinstance(strategy, dict) else getattr(strategy, "init_args", None)
     if init is None:
-        return {}
+        return cls, {}
     init = init.as_dict() if hasattr(init, "as_dict") else dict(init)
     # Set by the Trainer / Ray, never from YAML.
     for key in ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"):
         init.pop(key, None)
-    return init
+    return cls, init
 
 
 def _ray_trainer_overrides(options: RayOptions, report: Callback) -> Callable[[TTSLightningCLI], dict]:
@@ -135,8 +176,9 @@ def _ray_trainer_overrides(options: RayOptions, report: Callback) -> Callable[[T
         init_plugins = init_plugins if isinstance(init_plugins, list) else [init_plugins]
         callbacks = cli.config_init["trainer"].get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        strategy_class, strategy_args = ray_strategy(trainer_cfg.get("strategy"))
         return {
-            "strategy": RayQwen3TTSFSDPStrategy(**strategy_init_args(trainer_cfg.get("strategy"))),
+            "strategy": strategy_class(**strategy_args),
             "accelerator": "gpu" if options.use_gpu else "cpu",
             "devices": "auto",  # one process per Ray worker
             "num_nodes": 1,
@@ -287,7 +329,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     options = RayOptions(**config["options"])
     report = RayCheckpointReport(options.checkpoint_every_n_steps)
     cli = build_cli(list(config["args"]), _ray_trainer_overrides(options, report))
-    trainer = prepare_trainer(cli.trainer)
+    trainer = _prepare_trainer(cli.trainer)
     # The driver prepared the cache; one process checks it (it finds everything cached).
     cli.datamodule.prepare_data_per_node = False
 
@@ -302,6 +344,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=str(ckpt_path))
 
 
+def _prepare_trainer(trainer: Trainer) -> Trainer:
+    """Ray's `prepare_trainer` for its own strategy classes (FSDP1 here); it refuses any other, so
+    for FSDP2 the same check of what it checks: Ray's cluster environment."""
+    if isinstance(trainer.strategy, RayFSDPStrategy):
+        return prepare_trainer(trainer)
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if not isinstance(environment, RayLightningEnvironment):
+        raise RuntimeError(f"ray-fit needs RayLightningEnvironment as cluster environment, got {type(environment)}")
+    return trainer
+
+
 # -- the driver -----------------------------------------------------------------------------------
 
 
@@ -312,7 +365,7 @@ def _package_root() -> str:
 def prepare_on_driver(args: list[str]) -> TTSLightningCLI:
     """Parse and check the config as ``fit`` would, and prepare the data once, here."""
     cli = build_cli(args, None)
-    strategy_init_args(cli.config["trainer"].get("strategy"))  # refuse a non-FSDP strategy early
+    ray_strategy(cli.config["trainer"].get("strategy"))  # refuse a strategy other than FSDP1 / FSDP2 early
     cli.datamodule.prepare()
     return cli
 
@@ -328,13 +381,7 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
         storage_path = str(Path(storage_path).expanduser().absolute())
     name = options.name or f"tts-lightning-{time.strftime('%Y%m%d-%H%M%S')}"
 
-    strategy_args = strategy_init_args(cli.config["trainer"].get("strategy"))
-    if strategy_args.get("state_dict_type") == "full" and not options.use_gpu:
-        warnings.warn(
-            "state_dict_type=full on CPU saves a wrong optimizer state (exp_avg == exp_avg_sq), so a "
-            "resumed run differs; use sharded checkpoints on CPU",
-            stacklevel=2,
-        )
+    _, strategy_args = ray_strategy(cli.config["trainer"].get("strategy"))
     timeout: Any = strategy_args.get("timeout")
     torch_config = TorchConfig(
         backend=strategy_args.get("process_group_backend"),

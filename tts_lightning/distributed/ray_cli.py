@@ -23,11 +23,13 @@ Fine-tune with the same LightningCLI config as `fit`, on a Ray cluster.
 
 The driver (this process) checks the config and prepares the data once (codec tokens, speaker
 embeddings, index) into data.cache_dir; then a Ray Train TorchTrainer starts --ray.num_workers
-workers, one training process each, with FSDP (RayQwen3TTSFSDPStrategy: the wrap and activation-
-checkpointing policies of Qwen3TTSFSDPStrategy, the config's init_args kept). The config's
-trainer.devices and trainer.num_nodes are replaced by Ray's workers, trainer.accelerator by
---ray.use_gpu (gloo on CPU, nccl on GPU). On a multi-node cluster data.cache_dir (and the
-config's paths) must be shared storage, mounted at the same path on every node.
+workers, one training process each, with the config's FSDP strategy in its Ray variant, init_args
+kept: FSDP1 (auto, fsdp or Qwen3TTSFSDPStrategy -> RayQwen3TTSFSDPStrategy) or FSDP2
+(Qwen3TTSFSDP2Strategy -> RayQwen3TTSFSDP2Strategy); any other strategy is refused before Ray
+starts. The config's trainer.devices and trainer.num_nodes are replaced by Ray's workers,
+trainer.accelerator by --ray.use_gpu (gloo on CPU, nccl on GPU). On a multi-node cluster
+data.cache_dir (and the config's paths) must be shared storage, mounted at the same path on every
+node.
 
 Checkpoints are reported to Ray every --ray.checkpoint_every_n_steps steps (0: each epoch end)
 and at the end, into <storage_path>/<name>/checkpoint_stepNNNNNN/checkpoint.ckpt (a sharded
