@@ -117,6 +117,31 @@ def test_frozen_base_dtype_follows_the_precision():
         LoRASettings(base_dtype="bf16").frozen_dtype("32-true")
 
 
+def test_cast_frozen_gives_the_meta_base_its_storage_dtype(tiny_dir):
+    """FSDP2 shards the meta model before any weight exists, and its shards keep the dtype they were
+    sharded with: `MetaWeights.cast_frozen` re-registers the frozen meta parameters in the frozen
+    dtype first (the adapters stay fp32), and the weights then read into them are the pretrained ones."""
+    from tts_lightning.model.loading import MetaWeights, WeightReader, build_empty_model
+    from tts_lightning.model.lora import checkpoint_key, inject_lora
+
+    info = check_pretrained(tiny_dir)
+    model = inject_lora(build_empty_model(info), LoRASettings(**ADAPTER))
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_key(name))
+    weights = MetaWeights(model, info, frozen_dtype=torch.bfloat16)
+    frozen = sum(not p.requires_grad for p in model.parameters())
+    assert weights.cast_frozen(model) == frozen > 0
+    assert weights.cast_frozen(model) == 0  # already in the frozen dtype
+    assert all(p.is_meta for p in model.parameters())
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    weights.materialize_all(model)
+    reader = WeightReader(info)
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert torch.equal(param, reader.read(checkpoint_key(name)).to(torch.bfloat16)), name
+
+
 @pytest.fixture(scope="module")
 def extras_checkpoint(tiny_dir, batch, tmp_path_factory):
     """A LoRA run with ``talker.codec_head`` trained in full besides the adapters: 3 Lightning steps

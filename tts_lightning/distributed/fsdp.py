@@ -257,7 +257,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         if _is_full_checkpoint(path):
             from lightning.fabric.utilities.load import _lazy_load
 
-            _check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
+            check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
             return super().load_checkpoint(path, weights_only)  # strict_loading is off for adapters
         if not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only)
@@ -272,7 +272,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
             for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
             if k.startswith("model.")
         }
-        _check_trainable(module, stored, path)
+        check_trainable(module, stored, path)
         # Lightning annotates this context manager as a Generator.
         with cast(AbstractContextManager[None], _get_sharded_state_dict_context(model)):
             state = model.state_dict()
@@ -339,7 +339,9 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         return model
 
 
-def _check_trainable(module: nn.Module, stored: set[str], path: Path) -> None:
+def check_trainable(module: nn.Module, stored: set[str], path: Path) -> None:
+    """Fail, naming the checkpoint, when it lacks a trainable tensor of ``module`` (a LoRA run's
+    checkpoint holds only those, `Qwen3TTSModule.trainable_keys`); shared by both strategies."""
     missing = sorted(k for k in getattr(module, "trainable_keys", ()) if k not in stored)
     if missing:
         raise KeyError(

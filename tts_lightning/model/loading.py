@@ -10,9 +10,11 @@ each unit is materialized just before it is sharded: global rank 0 reads, every 
 the same bytes by a broadcast on the root device, and no rank holds more than one unsharded unit.
 Units are materialized in the same order on every rank, so the broadcasts always pair up.
 
-Under FSDP2 (`Qwen3TTSFSDP2Strategy`), ``fully_shard`` is applied to the meta model first, then
-``to_empty`` allocates each rank's shards and `MetaWeights.fill_sharded` fills them tensor by tensor:
-rank 0 reads one full tensor and scatters it (``distribute_tensor(src_data_rank=0)``).
+Under FSDP2 (`Qwen3TTSFSDP2Strategy`), ``fully_shard`` is applied to the meta model first, then each
+rank's shards are allocated and `MetaWeights.fill_sharded` fills them tensor by tensor: rank 0 reads
+one full tensor and scatters it (``distribute_tensor(src_data_rank=0)``). The shards keep the dtype
+their meta parameter had when it was sharded, so a LoRA run's frozen base gets its storage dtype
+on the meta device first (`MetaWeights.cast_frozen`).
 """
 
 from __future__ import annotations
@@ -131,6 +133,24 @@ class MetaWeights:
             else:
                 value.copy_(self.reader.read(checkpoint_key(key)))
         return value
+
+    def cast_frozen(self, model: nn.Module) -> int:
+        """Re-register the frozen (``requires_grad=False``) meta parameters of ``model`` in
+        ``frozen_dtype``, still on the meta device; return how many changed. For FSDP2, before
+        ``fully_shard``: its shards are allocated in the dtype the parameter was sharded with, and it
+        needs a uniform dtype only among the trainable parameters of a unit, so a bf16 frozen base
+        can share a unit with fp32 adapters. (FSDP1 materializes each dtype itself.)"""
+        changed: dict[int, nn.Parameter] = {}  # a parameter shared by two modules stays shared
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if not param.is_meta or param.requires_grad or param.dtype == self.frozen_dtype:
+                    continue
+                if id(param) not in changed:
+                    changed[id(param)] = nn.Parameter(
+                        torch.empty(param.shape, dtype=self.frozen_dtype, device="meta"), requires_grad=False
+                    )
+                module._parameters[name] = changed[id(param)]
+        return len(changed)
 
     def fill_sharded(self, model: nn.Module, *, device: torch.device | str, broadcast: bool) -> None:
         """Fill the parameters of ``model`` (the model given to ``__init__``) after FSDP2's
