@@ -20,16 +20,24 @@ does). ``cpu_offload`` keeps the shards in host memory (``CPUOffloadPolicy``; no
 Weights are loaded without a full copy on any rank: the meta model is sharded, its meta tensors
 are allocated as shards, and global rank 0 reads and scatters one tensor at a time
 (`tts_lightning.model.loading.MetaWeights.fill_sharded`); the real tensors (buffers, metric states)
-are kept. LoRA is refused for now (use `Qwen3TTSFSDPStrategy`). Checkpoints: ``sharded``
-(torch.distributed.checkpoint, one file per rank) or ``full`` (one file, gathered on rank 0), both
-written atomically (`AtomicCheckpoints`). CPU with gloo works (CI trains with real processes).
-Collectives only on the root device (NCCL refuses CPU tensors).
+are kept. Checkpoints: ``sharded`` (torch.distributed.checkpoint, one file per rank) or ``full``
+(one file, gathered on rank 0), both written atomically (`AtomicCheckpoints`). CPU with gloo works
+(CI trains with real processes). Collectives only on the root device (NCCL refuses CPU tensors).
+
+LoRA (``model.adapter``): the adapters sit in the units of their layers (frozen parameters have no
+gradient under FSDP2, so no unit of their own is needed, unlike FSDP1); the frozen base is stored
+in ``adapter.frozen_dtype`` (bf16 under ``bf16-mixed``), given to its meta parameters before
+``fully_shard`` (`MetaWeights.cast_frozen`: FSDP2 wants one dtype only among a unit's trainable
+parameters). Checkpoints hold the trainable tensors and buffers only; the frozen shards are never
+gathered or copied to save them (``ignore_frozen_params``), and loading reads just the keys the
+checkpoint holds, the frozen base keeping the pretrained values it was built with.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -37,7 +45,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from tts_lightning.distributed.atomic import AtomicCheckpoints, split_cpu_threads
-from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, import_classes
+from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, import_classes
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -133,23 +141,22 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
 
         module = self.lightning_module
         assert module is not None
-        if getattr(module, "adapter", None) is not None:
-            # Its checkpoints hold the trainable tensors only; this strategy's loading wants every key.
-            raise ValueError(
-                f"LoRA (`model.adapter`) is not supported with {type(self).__name__} yet: use "
-                "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (see configs/tiny-cpu-lora.yaml)"
-            )
         if not isinstance(module, FSDPModule):
             self._shard(module)
         super().setup(trainer)
         self._report_shards(module)
 
     def _shard(self, module: nn.Module) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, register_fsdp_forward_method
 
         model = getattr(module, "model", None)
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__} expects a LightningModule with the Qwen3-TTS model at `.model`")
+        weights = getattr(module, "pending_weights", None)
+        if weights is not None:
+            # The shards are allocated in the dtype each parameter is sharded with: a LoRA run's
+            # frozen base takes its storage dtype (bf16 under bf16-mixed) while still on meta.
+            weights.cast_frozen(model)
         apply_fully_shard(
             module,
             model,
@@ -161,7 +168,10 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
             mp_policy=self.mixed_precision_policy,
             offload_policy=CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
         )
-        weights = getattr(module, "pending_weights", None)
+        # Generation calls the model's submodules, never the LightningModule's `forward`: running
+        # `predict_step` as a forward makes the LightningModule the root state (FSDP2 otherwise takes
+        # the first unit called) and gathers its own parameters (heads, norms, projections) for it.
+        register_fsdp_forward_method(module, "predict_step")
         if weights is not None:
             self._materialize(module, model, weights)
             setattr(module, "pending_weights", None)
@@ -189,21 +199,92 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
         self.model._apply(lambda t: t if isinstance(t, DTensor) else t.to(root))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Generation calls the model's submodules, never the LightningModule's ``forward``: make the
-        LightningModule the root state here (FSDP2 otherwise takes the first unit called as its root)
-        and gather the root's own parameters (heads, norms, projections) for the step. The units
-        gather and free their parameters around each call, on every rank in lockstep, as under FSDP1."""
+        """The LightningModule's ``predict_step`` runs as an FSDP forward (registered in `_shard`:
+        the root's own parameters gathered, the LightningModule the root state); the units gather
+        and free their parameters around each call, on every rank in lockstep, as under FSDP1.
+        The root keeps its parameters gathered after a forward (for the backward of training):
+        free them after each predict step."""
         from torch.distributed.fsdp import FSDPModule
 
         module = self.lightning_module
-        if not isinstance(module, FSDPModule):
-            return super().predict_step(*args, **kwargs)
-        module._get_fsdp_state()._lazy_init()  # no public API: FSDP2 initialises on the first forward
-        module.unshard()
         try:
             return super().predict_step(*args, **kwargs)
         finally:
-            module.reshard()
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _adapter_module(self) -> nn.Module | None:
+        """The LightningModule when it trains LoRA adapters (its checkpoints hold the trainable
+        tensors and buffers only: `Qwen3TTSModule.frozen_keys`), else None."""
+        module = self.lightning_module
+        if module is None or getattr(module, "adapter", None) is None or not getattr(module, "frozen_keys", None):
+            return None
+        return module
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's, but with an adapter the frozen base is left out before anything is gathered
+        or copied (``ignore_frozen_params``): only the trainable tensors and buffers are saved."""
+        if self._adapter_module() is None:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(
+            full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True, ignore_frozen_params=True
+        )
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, plus a LoRA run's checkpoints, which hold only the trainable tensors and
+        buffers: every trainable tensor must be there; the frozen base keeps the values it was built
+        with (the pretrained directory's). A sharded checkpoint is read key by key into the module's
+        own shards (Lightning would ask it for the frozen keys too); a full one goes through
+        Lightning's loading, which skips absent keys when ``strict_loading`` is off (it is for
+        adapters)."""
+        module = self._adapter_module()
+        if module is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        if _is_full_checkpoint(path):
+            from lightning.fabric.utilities.load import _lazy_load
+
+            check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
+            return super().load_checkpoint(path, weights_only)
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only)  # Lightning's error for a bad path
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        prefix = "state_dict."  # ModelParallelStrategy's layout: {"state_dict": ..., "optimizer_0": ...}
+        stored = {
+            k[len(prefix) :]
+            for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            if k.startswith(prefix)
+        }
+        check_trainable(module, stored, path)
+        assert self.model is not None
+        # The module's own DTensor shards by key: DCP reads the checkpoint's pieces straight into them.
+        state = {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
+        load({"state_dict": state}, checkpoint_id=path)
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            load(optim_state, checkpoint_id=path)
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+            )
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def _report_shards(self, module: nn.Module) -> None:
         """Say on every rank how much of the model it holds (the first thing to check when memory
