@@ -5,6 +5,12 @@ mid-epoch resumes to the same adapters (sharded and full checkpoints), `load_fro
 full one, and export merges them into a custom_voice directory whose loss equals the training
 module's and that qwen_tts speaks with.
 
+FSDP2 (`configs/tiny-cpu-lora-fsdp2.yaml`): one run killed mid-epoch and resumed from its sharded
+checkpoint (writing full checkpoints from then on) ends with the FSDP1 run's adapters; its checkpoints
+hold no frozen tensor, its frozen weights have no gradient and stay the pretrained ones, and export
+merges its adapters. A short bf16-mixed run resumed from its full checkpoint stores the frozen base
+in bf16 and starts from exactly the saved adapters and AdamW state.
+
 Runs: one uninterrupted run (sharded checkpoints, with the checking and sampling callbacks), and per
 checkpoint format one run killed mid-epoch and resumed; the resumed full-format run is also the full
 checkpoint the other tests read (training does not depend on the format, so both resumed runs are
@@ -27,8 +33,10 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu-lora.yaml"
+CONFIG_FSDP2 = REPO / "configs" / "tiny-cpu-lora-fsdp2.yaml"
 STEPS, CHECKPOINT_EVERY, CRASH_AT = 8, 4, 6
 CHECK_FROZEN = '{"class_path": "lora_callbacks.CheckFrozen"}'
+CRASH = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH_AT}}}}}'
 TEXTS = ["Good morning.", "See you soon."]
 SPEAKERS = ["alice", "bob"]
 SAMPLE_TOKENS = 24
@@ -141,9 +149,8 @@ def resumed(workdir, tiny_dir, cli):
         if state_dict_type not in done:
             run = workdir / f"resumed-{state_dict_type}"
             common = ("--trainer.strategy.init_args.state_dict_type", state_dict_type)
-            crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH_AT}}}}}'
             crashed = cli(
-                *fit_args(workdir, tiny_dir, run.name, *common, f"--trainer.callbacks+={crash}"),
+                *fit_args(workdir, tiny_dir, run.name, *common, f"--trainer.callbacks+={CRASH}"),
                 cwd=workdir,
                 check=False,
             )
@@ -155,6 +162,119 @@ def resumed(workdir, tiny_dir, cli):
         return done[state_dict_type]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def fsdp2(workdir, tiny_dir, cli):
+    """The FSDP2 LoRA run: killed at step CRASH_AT (after the sharded checkpoint at CHECKPOINT_EVERY),
+    resumed from that folder with ``--ckpt_path last`` to STEPS with full checkpoints (the sharded
+    step-CHECKPOINT_EVERY one stays as a top-k checkpoint) and CheckFrozen. Returns (run folder,
+    the resumed launch's output)."""
+    run = workdir / "fsdp2"
+    crashed = cli(
+        *fit_args(workdir, tiny_dir, run.name, f"--trainer.callbacks+={CRASH}", config=CONFIG_FSDP2),
+        cwd=workdir,
+        check=False,
+    )
+    assert crashed.returncode != 0 and f"exits at global_step {CRASH_AT}" in crashed.stdout, crashed.stdout[-3000:]
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and load_training_checkpoint(last).global_step == CHECKPOINT_EVERY
+    again = cli(
+        *fit_args(
+            workdir,
+            tiny_dir,
+            run.name,
+            "--trainer.strategy.init_args.state_dict_type",
+            "full",
+            f"--trainer.callbacks+={CHECK_FROZEN}",
+            "--ckpt_path",
+            "last",
+            config=CONFIG_FSDP2,
+        ),
+        cwd=workdir,
+    )
+    output = again.stdout + again.stderr
+    assert "Restoring states from the checkpoint path" in output
+    return run, output
+
+
+def fsdp2_sharded(run_dir):
+    """The FSDP2 run's sharded checkpoint (step CHECKPOINT_EVERY, written before the crash)."""
+    (found,) = [c for c in (run_dir / "checkpoints").glob(f"step{CHECKPOINT_EVERY:06d}-*.ckpt") if c.is_dir()]
+    return found
+
+
+def test_fsdp2_lora_resumes_to_the_fsdp1_adapters(straight, fsdp2):
+    """Same batches, same adapters as FSDP1's uninterrupted run, after a crash and a resume from the
+    sharded checkpoint (model and AdamW state read key by key into the DTensor shards)."""
+    run_dir, output = fsdp2
+    for rank in (0, 1):
+        assert re.search(
+            rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
+            rf"{STEPS - CHECKPOINT_EVERY} backward passes checked",
+            output,
+        ), output[-3000:]
+    assert len(re.findall(r"\[rank \d\] FSDP2 fully_shard", output)) == 2
+    expected = load_training_checkpoint(newest_last(straight[0]))
+    final = load_training_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert final.path.is_file() and final.global_step == STEPS
+    assert final.state_dict.keys() == expected.state_dict.keys()
+    for key, value in expected.state_dict.items():
+        torch.testing.assert_close(final.state_dict[key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_fsdp2_lora_checkpoints_hold_no_frozen_tensor(fsdp2):
+    """Neither format holds a frozen tensor: the module state is the adapters and the speaker table,
+    the optimizer state the adapters' (the frozen shards are never gathered to be dropped later)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_dir, _ = fsdp2
+    sharded = fsdp2_sharded(run_dir)
+    for ckpt in (sharded, run_dir / "checkpoints" / "last.ckpt"):
+        state = load_training_checkpoint(ckpt).state_dict
+        assert all(".lora_" in k or k == "speaker_embeddings" for k in state), sorted(state)[:5]
+        assert any(".code_predictor." in k for k in state) and state["speaker_embeddings"].abs().sum() > 0
+    stored = FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+    assert any(k.startswith("optimizer_0.state.") for k in stored)
+    weights = [k for k in stored if ".model." in k]  # module and optimizer state of the model's parameters
+    assert weights and all(".lora_" in k for k in weights), sorted(k for k in weights if ".lora_" not in k)[:5]
+
+
+def test_fsdp2_bf16_mixed_resumes_from_a_full_checkpoint_with_a_bf16_base(fsdp2, workdir, tiny_dir, cli):
+    """Two bf16-mixed steps resumed from the FSDP2 run's full checkpoint: the frozen base is stored in
+    bf16 (cast on the meta device before sharding), the adapters in fp32, and training starts from
+    exactly the saved adapters, speaker table and AdamW state."""
+    run_dir, _ = fsdp2
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resumed = json.dumps({"class_path": "lora_callbacks.CheckResumed", "init_args": {"path": str(last)}})
+    proc = cli(
+        *fit_args(
+            workdir,
+            tiny_dir,
+            "fsdp2-bf16",
+            "--trainer.precision",
+            "bf16-mixed",
+            "--trainer.max_steps",
+            STEPS + 2,
+            "--trainer.limit_val_batches",
+            0,
+            "--trainer.enable_checkpointing",
+            "false",
+            '--trainer.callbacks+={"class_path": "lora_callbacks.ReportDtypes"}',
+            f"--trainer.callbacks+={resumed}",
+            "--ckpt_path",
+            last,
+            config=CONFIG_FSDP2,
+        ),
+        cwd=workdir,
+    )
+    output = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[ReportDtypes] rank {rank}: frozen torch.bfloat16, trainable torch.float32" in output, output[-3000:]
+        assert re.search(
+            rf"\[CheckResumed\] rank {rank}: \d+ tensors and \d+ optimizer states as saved at step {STEPS}", output
+        )
+    assert f"`Trainer.fit` stopped: `max_steps={STEPS + 2}` reached" in output
 
 
 def test_lora_trains_with_two_fsdp_ranks(straight):
@@ -362,8 +482,8 @@ def test_load_from_checkpoint_reads_a_lora_checkpoint(straight, resumed, tiny_di
             assert torch.equal(param, reader.read(checkpoint_key(name)).float()), name
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_merged_export_equals_the_adapter_model(straight, resumed, workdir, tiny_dir, make_datamodule, state_dict_type):
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full", "fsdp2-sharded"])
+def test_merged_export_equals_the_adapter_model(request, workdir, tiny_dir, make_datamodule, state_dict_type):
     import inspect
 
     from tts_lightning import Qwen3TTSModule
@@ -372,7 +492,12 @@ def test_merged_export_equals_the_adapter_model(straight, resumed, workdir, tiny
     from tts_lightning.model.loss import compute_loss
     from tts_lightning.model.pretrained import check_pretrained
 
-    ckpt = newest_last(straight[0] if state_dict_type == "sharded" else resumed("full"))
+    if state_dict_type == "fsdp2-sharded":  # FSDP2's layout of the module state ("state_dict.<key>")
+        ckpt = fsdp2_sharded(request.getfixturevalue("fsdp2")[0])
+    elif state_dict_type == "sharded":
+        ckpt = newest_last(request.getfixturevalue("straight")[0])
+    else:
+        ckpt = newest_last(request.getfixturevalue("resumed")("full"))
     out = export_custom_voice(ckpt, workdir / f"voice-{state_dict_type}", dtype="fp32")
     reader = CheckpointReader(ckpt)
     accepted = inspect.signature(Qwen3TTSModule).parameters
