@@ -114,6 +114,13 @@ def test_fsdp2_lora_and_one_gpu(tiny_dir):
     )
     assert fsdp2.gradients == 4 * fsdp2.trainable_parameters
     assert any("NO_SHARD" in n for n in fsdp1.notes) and not any("NO_SHARD" in n for n in fsdp2.notes)
+    # bf16-mixed (the default): the frozen base stored and sharded in bf16, as Qwen3TTSFSDP2Strategy
+    # casts it; 32-true: fp32 throughout
+    fp32 = plan_memory(tiny_dir, gpus=1, gpu_memory_gb=16, adapter=adapter, layout="fsdp2", precision="32-true")
+    frozen = fsdp2.total_parameters - fsdp2.trainable_parameters
+    assert fsdp2.parameters == 4 * fsdp2.trainable_parameters + 2 * frozen
+    assert fp32.parameters == 4 * fp32.total_parameters
+    assert (fp32.gradients, fp32.optimizer_states) == (fsdp2.gradients, fsdp2.optimizer_states)
 
 
 def test_fsdp2_from_the_command_and_a_config(tmp_path, tiny_dir, capsys):

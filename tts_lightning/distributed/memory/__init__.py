@@ -42,7 +42,9 @@ What is modelled, per GPU (bytes; GiB = 2**30 in the table and for ``gpu_memory_
   they have gradients (4 B) and AdamW states (8 B). The frozen base is stored in the run's
   precision (``adapter.base_dtype: auto``): 2 B per parameter under bf16-mixed, 4 B under 32-true,
   sharded like any parameter. The adapters' own activations (r values per token per adapted
-  layer) are not modelled.
+  layer) are not modelled. Under FSDP2 the adapters stay in their layers' units (frozen parameters
+  have no gradient there), and the frozen base is sharded in the same storage dtype (as
+  `Qwen3TTSFSDP2Strategy` casts it on the meta device before ``fully_shard``).
 
 * **FSDP2** (``layout="fsdp2"``; `Qwen3TTSFSDP2Strategy`, ``fully_shard``): units as that strategy
   builds them (each decoder layer of both classes; the codec embeddings together; the text
