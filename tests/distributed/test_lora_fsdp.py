@@ -7,9 +7,9 @@ module's and that qwen_tts speaks with.
 
 FSDP2 (`configs/tiny-cpu-lora-fsdp2.yaml`): one run killed mid-epoch and resumed from its sharded
 checkpoint (writing full checkpoints from then on) ends with the FSDP1 run's adapters; its checkpoints
-hold no frozen tensor, its frozen weights have no gradient and stay the pretrained ones, and export
-merges its adapters. A short bf16-mixed run resumed from its full checkpoint stores the frozen base
-in bf16 and starts from exactly the saved adapters and AdamW state.
+hold no frozen tensor, its frozen weights have no gradient and stay the pretrained ones, its samples
+are FSDP1's, and export merges its adapters. A short bf16-mixed run resumed from its full checkpoint
+stores the frozen base in bf16 and starts from exactly the saved adapters and AdamW state.
 
 Runs: one uninterrupted run (sharded checkpoints, with the checking and sampling callbacks), and per
 checkpoint format one run killed mid-epoch and resumed; the resumed full-format run is also the full
@@ -40,29 +40,39 @@ CRASH = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRA
 TEXTS = ["Good morning.", "See you soon."]
 SPEAKERS = ["alice", "bob"]
 SAMPLE_TOKENS = 24
-# Samples at the second validation (the last step), logged to TensorBoard; no resemblyzer needed.
-SAMPLES = json.dumps(
-    {
-        "class_path": "tts_lightning.callbacks.SpeakerSamplesCallback",
-        "init_args": {
-            "every_n_val_epochs": 2,
-            "texts": TEXTS,
-            "max_new_tokens": SAMPLE_TOKENS,
-            "similarity": False,
-            "baseline": False,
-        },
-    }
-)
 
 
-def events(run_dir):
+def samples_callback(every_n_val_epochs: int) -> str:
+    """Samples logged to TensorBoard at every N-th validation; no resemblyzer needed."""
+    return json.dumps(
+        {
+            "class_path": "tts_lightning.callbacks.SpeakerSamplesCallback",
+            "init_args": {
+                "every_n_val_epochs": every_n_val_epochs,
+                "texts": TEXTS,
+                "max_new_tokens": SAMPLE_TOKENS,
+                "similarity": False,
+                "baseline": False,
+            },
+        }
+    )
+
+
+SAMPLES = samples_callback(2)  # at the second validation: the last step
+
+
+def events(run_dir, *, audio=False):
+    """The run's TensorBoard events (with ``audio``: of the launch that logged audio)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    found = list(Path(run_dir).rglob("events.out.tfevents.*"))
+    found = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
     assert found, f"no TensorBoard event file under {run_dir}"
-    acc = EventAccumulator(str(found[0].parent), size_guidance={"audio": 0, "scalars": 0})
-    acc.Reload()
-    return acc
+    for event_file in found:
+        acc = EventAccumulator(str(event_file.parent), size_guidance={"audio": 0, "scalars": 0})
+        acc.Reload()
+        if not audio or acc.Tags()["audio"]:
+            return acc
+    raise AssertionError(f"no audio logged under {run_dir}")
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +197,7 @@ def fsdp2(workdir, tiny_dir, cli):
             "--trainer.strategy.init_args.state_dict_type",
             "full",
             f"--trainer.callbacks+={CHECK_FROZEN}",
+            f"--trainer.callbacks+={samples_callback(1)}",  # this launch validates once, at STEPS
             "--ckpt_path",
             "last",
             config=CONFIG_FSDP2,
@@ -221,6 +232,23 @@ def test_fsdp2_lora_resumes_to_the_fsdp1_adapters(straight, fsdp2):
     assert final.state_dict.keys() == expected.state_dict.keys()
     for key, value in expected.state_dict.items():
         torch.testing.assert_close(final.state_dict[key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_fsdp2_lora_samples_speak_the_adapted_weights(straight, fsdp2):
+    """Under FSDP2 the callback gathers the DTensor shards, frozen base included, and generates with a
+    merged copy: at the last step it speaks what FSDP1's run spoke (whose audio is the merged export's,
+    test_samples_speak_the_adapted_weights), the adapters being equal within 1e-5."""
+    import soundfile as sf
+
+    fsdp1, fsdp2_events = events(straight[0], audio=True), events(fsdp2[0], audio=True)
+    for s in range(len(SPEAKERS)):
+        for i in range(len(TEXTS)):
+            tag = f"samples/{SPEAKERS[s]}/{i}"
+            (expected,), (spoken,) = fsdp1.Audio(tag), fsdp2_events.Audio(tag)
+            assert spoken.step == expected.step == STEPS
+            a, sr = sf.read(io.BytesIO(spoken.encoded_audio_string), dtype="float32")
+            b, _ = sf.read(io.BytesIO(expected.encoded_audio_string), dtype="float32")
+            assert sr == 24_000 and a.shape == b.shape and np.abs(a - b).max() < 2e-4, tag
 
 
 def test_fsdp2_lora_checkpoints_hold_no_frozen_tensor(fsdp2):
