@@ -1,8 +1,7 @@
-"""Fine-tune two speakers with 2 FSDP ranks, export from the sharded and from a consolidated full
-checkpoint, and speak with the result through the official `qwen_tts.Qwen3TTSModel`."""
+"""Export the seeded 2-rank FSDP fine-tuning of the two demo speakers from its sharded and from a
+consolidated full checkpoint, and speak with the result through the official `qwen_tts.Qwen3TTSModel`."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import newest_last
 
-from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import CheckpointError, load_training_checkpoint
 from tts_lightning.model.export import ExportError, export_custom_voice
 
@@ -20,41 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tiny_dir):
+def checkpoints(tmp_path_factory, fsdp1_reference):
+    """The sharded `last.ckpt` of the session's seeded 2-rank FSDP1 run (conftest.py of this folder)
+    and its consolidation into one full checkpoint by Lightning's own tool."""
     root = tmp_path_factory.mktemp("export")
-    shutil.copytree(demo_dir(), root / "demo")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tts_lightning",
-            "fit",
-            "--config",
-            str(REPO / "configs" / "tiny-cpu.yaml"),
-            "--data.pretrained",
-            str(tiny_dir),
-            "--data.train_manifest",
-            str(root / "demo" / "train.jsonl"),
-            "--data.cache_dir",
-            str(root / "cache"),
-            "--trainer.max_steps",
-            "4",
-            "--trainer.val_check_interval",
-            "2",
-            "--trainer.default_root_dir",
-            str(root / "run"),
-            "--trainer.logger.init_args.save_dir",
-            str(root / "run"),
-        ],
-        cwd=root,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    sharded = next((root / "run").rglob("last.ckpt"))
+    sharded = newest_last(fsdp1_reference[0])
     assert sharded.is_dir() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
     full = root / "full.ckpt"
     subprocess.run(

@@ -2,6 +2,7 @@
 exact resume, and validation of a checkpoint."""
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -9,25 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, fit_args, newest_last, scalars
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-CONFIG = REPO / "configs" / "tiny-cpu.yaml"
-# One seeded run serves every test here: 14 steps, validated (and checkpointed) at steps 7 and 14; it
-# is also the uninterrupted reference of both resume tests (state_dict_type changes only the files).
-STEPS, EVERY = 14, 7
+# The seeded run every test here reads is `fsdp1_reference` (conftest.py of this folder): 8 steps,
+# validated and checkpointed at steps 4 and 8; it is also the uninterrupted reference of both resume
+# tests (state_dict_type changes only the files) and of the FSDP2 tests.
+STEPS, EVERY, CRASH = REFERENCE_STEPS, REFERENCE_EVERY, 6
 
 # Golden losses of that run (seed 0, 2 gloo ranks, fp32, the tiny model and the demo clips, 150 frames
 # per batch), compared at rtol 1e-4 as torchtune's recipe tests do: a silent change in the model, the
 # loss, the optimizer, the schedule or the data order fails here. To regenerate them after an
 # intended change, run this module with TTS_PRINT_GOLDEN=1 and `-s`, check that the change explains
 # the difference, and paste the printed values. Keys are the event file's steps (the optimizer step - 1).
-GOLDEN_TRAIN_LOSS = {4: 8.37533950805664, 9: 6.758510112762451}  # train/loss_step, steps 5 and 10
-GOLDEN_VAL_LOSS = {6: 7.6530609130859375, 13: 6.747335433959961}  # val/loss at steps 7 and 14
+# (Step 5 is still in the warm-up, so its loss equals the one the earlier 14-step golden run logged.)
+GOLDEN_TRAIN_LOSS = {4: 8.37533950805664}  # train/loss_step, step 5 (logged every 5 steps)
+GOLDEN_VAL_LOSS = {3: 8.538930892944336, 7: 7.643328666687012}  # val/loss at steps 4 and 8
 
 
 @pytest.fixture(scope="module")
@@ -47,44 +49,9 @@ def workdir(tmp_path_factory, tiny_dir):
     return root
 
 
-def fit_args(workdir, tiny_dir, run, *extra):
-    return [
-        "fit",
-        "--config",
-        CONFIG,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
-        "--trainer.default_root_dir",
-        workdir / run,
-        "--trainer.logger.init_args.save_dir",
-        workdir / run,
-        *extra,
-    ]
-
-
-def scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = list(Path(run_dir).rglob("events.out.tfevents.*"))
-    assert events, f"no TensorBoard event file under {run_dir}"
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 @pytest.fixture(scope="module")
-def fitted(workdir, tiny_dir, cli):
-    proc = cli(
-        *fit_args(workdir, tiny_dir, "run", "--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY),
-        cwd=workdir,
-    )
-    return workdir / "run", proc.stdout + proc.stderr
+def fitted(fsdp1_reference):
+    return fsdp1_reference
 
 
 def test_fit_trains_with_two_fsdp_ranks(fitted):
@@ -95,8 +62,10 @@ def test_fit_trains_with_two_fsdp_ranks(fitted):
         share = int(local.replace(",", "")) / int(total.replace(",", ""))
         assert 0.45 < share < 0.55  # each rank holds about half of the flat parameters
     logged = scalars(run_dir)
-    train = [v for _, v in logged["train/loss_step"]]
-    assert len(train) >= 2 and train[-1] < train[0]
+    for rank in (0, 1):  # every step's loss, as each rank saw it (fsdp2_callbacks.RecordSteps)
+        losses = [s["loss"] for s in json.loads((run_dir / f"steps-rank{rank}.json").read_text())]
+        assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    assert "train/loss_step" in logged
     assert "val/loss" in logged and "train/acc_codebook_15_step" in logged and "lr-AdamW" in logged
     checkpoints = list(run_dir.rglob("*.ckpt"))
     assert any(c.name == "last.ckpt" for c in checkpoints)
@@ -123,7 +92,7 @@ def test_load_from_checkpoint_reads_the_sharded_checkpoint(fitted):
     from tts_lightning import Qwen3TTSModule
 
     ckpt = final_weights(fitted[0])
-    newest = max(Path(fitted[0]).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
+    newest = newest_last(fitted[0])
     assert newest.is_dir()
     state = Qwen3TTSModule.load_from_checkpoint(newest).state_dict()
     assert set(ckpt.state_dict) == set(state)
@@ -132,14 +101,12 @@ def test_load_from_checkpoint_reads_the_sharded_checkpoint(fitted):
 
 
 def final_weights(run_dir):
-    # A resumed run logs into a new version folder: take the newest `last`.
-    newest = max(Path(run_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
-    return load_training_checkpoint(newest)
+    return load_training_checkpoint(newest_last(run_dir))
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, state_dict_type):
-    """A run killed mid-epoch at step 9 (last checkpoint at step 7) and resumed with
+    """A run killed mid-epoch at step 6 (last checkpoint at step 4) and resumed with
     `--ckpt_path last` ends with the weights of a run that was never interrupted (`fitted`, the
     same training with sharded checkpoints: the file format does not change the training)."""
     common = (
@@ -151,15 +118,17 @@ def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, s
         state_dict_type,
     )
     resumed_dir = f"resumed-{state_dict_type}"
-    crash = '{"class_path": "crash_callbacks.CrashAt", "init_args": {"step": 9}}'
+    crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH}}}}}'
     crashed = cli(
-        *fit_args(workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"), cwd=workdir, check=False
+        *fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"),
+        cwd=workdir,
+        check=False,
     )
-    assert crashed.returncode != 0 and "[CrashAt] rank 0 exits at global_step 9" in crashed.stdout
+    assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout
     saved = load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt")
     assert saved.global_step == EVERY
     assert saved.path.is_dir() == (state_dict_type == "sharded")
-    resumed_run = cli(*fit_args(workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
+    resumed_run = cli(*fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed_run.stdout + resumed_run.stderr
     straight, resumed = final_weights(fitted[0]), final_weights(workdir / resumed_dir)
     assert straight.path.is_dir() and resumed.path.is_dir() == (state_dict_type == "sharded")
@@ -187,7 +156,7 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
     cli(
         "validate",
         "--config",
-        CONFIG,
+        TINY_CPU,
         "--data.pretrained",
         tiny_dir,
         "--data.train_manifest",
@@ -209,6 +178,33 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
     assert abs(reported - logged) < 1e-4, (reported, logged)
 
 
+def launch_trapped_main(monkeypatch, workdir):
+    """The `tts-lightning` entry point, to run in this process with Lightning's launcher (which would
+    start rank 1) and torch.distributed's process group booby-trapped: reaching either raises."""
+    import sys
+
+    import torch.distributed
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from tts_lightning.__main__ import main
+
+    def trap(*args, **kwargs):
+        raise AssertionError("reached the process launch")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", trap)
+    monkeypatch.setattr(torch.distributed, "init_process_group", trap)
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])
+    monkeypatch.chdir(workdir)
+    return main
+
+
+def test_the_launch_trap_catches_a_good_config(workdir, tiny_dir, monkeypatch):
+    """Without this, the test below could pass with a trap that never fires."""
+    main = launch_trapped_main(monkeypatch, workdir)
+    with pytest.raises(AssertionError, match="reached the process launch"):
+        main([*map(str, fit_args(TINY_CPU, workdir, tiny_dir, "good", "--trainer.max_steps", 1))])
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -218,9 +214,16 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
         (["--data.speakers", "[carol]"], "carol"),
     ],
 )
-def test_bad_config_fails_before_spawning(workdir, tiny_dir, cli, override, needle):
-    args = fit_args(workdir, tiny_dir, "bad")
-    proc = cli(*args, *override, cwd=workdir, check=False, timeout=300)
-    assert proc.returncode != 0
-    assert needle in proc.stderr + proc.stdout
-    assert "FSDP" not in proc.stdout  # nothing was wrapped: no process group, no spawn
+def test_bad_config_fails_before_spawning(workdir, tiny_dir, override, needle, monkeypatch, capsys):
+    main = launch_trapped_main(monkeypatch, workdir)
+    try:
+        code, message = main([*map(str, fit_args(TINY_CPU, workdir, tiny_dir, "bad")), *override]), ""
+    except SystemExit as exc:  # the parser's errors
+        code, message = exc.code, ""
+    except AssertionError:
+        raise
+    except Exception as exc:  # an error raised while building the model or the data module
+        code, message = 1, str(exc)
+    out, err = capsys.readouterr()
+    assert code not in (0, None)
+    assert needle in out + err + message

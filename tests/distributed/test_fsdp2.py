@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU_FSDP2, data_args, fit_args, scalars
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-FSDP1 = REPO / "configs" / "tiny-cpu.yaml"
-FSDP2 = REPO / "configs" / "tiny-cpu-fsdp2.yaml"
 HERE = Path(__file__).parent
-STEPS, EVERY, CRASH = 8, 4, 6  # checkpoints at steps 4 and 8; the crash loses steps 5-6
+# The uninterrupted runs are `fsdp1_reference` and `fsdp2_full_reference` (conftest.py of this folder,
+# shared with test_fit_fsdp.py): 8 steps, checkpoints at steps 4 and 8; the crash loses steps 5-6.
+STEPS, EVERY, CRASH = REFERENCE_STEPS, REFERENCE_EVERY, 6
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +28,10 @@ def workdir(tmp_path_factory, tiny_dir):
     return root
 
 
-def fit(run_cli, workdir, tiny_dir, config, run, *extra, check=True):
+def fit(run_cli, workdir, tiny_dir, run, *extra, check=True):
     record = json.dumps({"class_path": "fsdp2_callbacks.RecordSteps", "init_args": {"out": str(workdir / run)}})
-    args = [
-        "fit",
-        "--config",
-        config,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
-        "--trainer.default_root_dir",
-        workdir / run,
-        "--trainer.logger.init_args.save_dir",
-        workdir / run,
-        "--trainer.max_steps",
-        STEPS,
-        "--trainer.val_check_interval",
-        EVERY,
-        f"--trainer.callbacks+={record}",
-        *extra,
-    ]
+    steps = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY)
+    args = fit_args(TINY_CPU_FSDP2, workdir, tiny_dir, run, *steps, f"--trainer.callbacks+={record}", *extra)
     return run_cli(*args, cwd=workdir, check=check, pythonpath=[HERE])
 
 
@@ -61,60 +40,25 @@ def steps(run_dir, rank):
 
 
 @pytest.fixture(scope="module")
-def fsdp1_run(run_cli, workdir, tiny_dir):
-    fit(run_cli, workdir, tiny_dir, FSDP1, "fsdp1")
-    return workdir / "fsdp1"
+def fsdp1_run(fsdp1_reference):
+    return fsdp1_reference[0]
 
 
 @pytest.fixture(scope="module")
-def fsdp2_run(run_cli, workdir, tiny_dir):
-    proc = fit(run_cli, workdir, tiny_dir, FSDP2, "fsdp2", "--trainer.strategy.init_args.state_dict_type", "full")
-    return workdir / "fsdp2", proc.stdout + proc.stderr
-
-
-def _scalars(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = list(Path(run_dir).rglob("events.out.tfevents.*"))
-    assert events, f"no TensorBoard event file under {run_dir}"
-    acc = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+def fsdp2_run(fsdp2_full_reference):
+    return fsdp2_full_reference
 
 
 def test_fsdp2_logs_the_metrics_fsdp1_logs(fsdp1_run, fsdp2_run):
     """Sharding must not touch the torchmetrics states (materializing the meta model once wiped
     them: accuracies of 1e14): every accuracy FSDP1 logs, FSDP2 logs with the same value."""
-    ref, new = _scalars(fsdp1_run), _scalars(fsdp2_run[0])
+    ref, new = scalars(fsdp1_run), scalars(fsdp2_run[0])
     accuracies = [tag for tag in ref if "acc_codebook" in tag]
     assert "val/acc_codebook_0" in accuracies and "train/acc_codebook_15_step" in accuracies
     for tag in accuracies:
         assert [step for step, _ in new[tag]] == [step for step, _ in ref[tag]], tag
         for (_, value), (_, expected) in zip(new[tag], ref[tag]):
             assert 0.0 <= value <= 1.0 and value == pytest.approx(expected, abs=1e-6), tag
-
-
-def test_lora_is_refused_with_a_clear_error(tiny_dir, make_datamodule, tmp_path):
-    """LoRA checkpoints hold the trainable tensors only, which this strategy cannot load yet."""
-    import lightning as L
-
-    from tts_lightning import Qwen3TTSModule
-    from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
-
-    data = make_datamodule()
-    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, adapter={"rank": 4, "alpha": 8.0})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=Qwen3TTSFSDP2Strategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        default_root_dir=tmp_path,
-    )
-    with pytest.raises(ValueError, match="LoRA .* not supported with Qwen3TTSFSDP2Strategy yet: use .*FSDPStrategy"):
-        trainer.fit(module, datamodule=data)
 
 
 def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
@@ -155,12 +99,12 @@ def _pretrained(checkpoint, key):
 def resumed_run(run_cli, workdir, tiny_dir):
     """Killed at step 6 (last sharded checkpoint at step 4), then resumed with `--ckpt_path last`."""
     crash = json.dumps({"class_path": "crash_callbacks.CrashAt", "init_args": {"step": CRASH}})
-    crashed = fit(run_cli, workdir, tiny_dir, FSDP2, "resumed", f"--trainer.callbacks+={crash}", check=False)
+    crashed = fit(run_cli, workdir, tiny_dir, "resumed", f"--trainer.callbacks+={crash}", check=False)
     assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout
     last = workdir / "resumed" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and load_training_checkpoint(last).global_step == EVERY
     assert not list(last.parent.glob(".*.partial"))  # written atomically
-    resumed = fit(run_cli, workdir, tiny_dir, FSDP2, "resumed", "--ckpt_path", "last")
+    resumed = fit(run_cli, workdir, tiny_dir, "resumed", "--ckpt_path", "last")
     assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
     return workdir / "resumed"
 
@@ -200,21 +144,9 @@ def test_export_from_sharded_fsdp2_checkpoint_speaks(run_cli, resumed_run, workd
             torch.testing.assert_close(value, weights[key], atol=0, rtol=0, msg=key)
 
 
-def data_args(workdir, tiny_dir, run):
-    return [
-        "--config",
-        FSDP2,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
-        "--trainer.default_root_dir",
-        workdir / run,
-    ]
+def run_args(workdir, tiny_dir, run):
+    """`validate` / `predict` of configs/tiny-cpu-fsdp2.yaml on the demo clips, into ``workdir/run``."""
+    return ["--config", TINY_CPU_FSDP2, *data_args(workdir, tiny_dir), "--trainer.default_root_dir", workdir / run]
 
 
 TEXTS = ["Good morning.", "See you soon."]
@@ -239,7 +171,7 @@ def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, 
     logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
     run_cli(
         "validate",
-        *data_args(workdir, tiny_dir, "validate"),
+        *run_args(workdir, tiny_dir, "validate"),
         "--trainer.logger.init_args.save_dir",
         workdir / "validate",
         "--ckpt_path",
@@ -292,7 +224,7 @@ def test_predict_from_a_sharded_fsdp2_checkpoint(run_cli, resumed_run, workdir, 
     texts = ["Hello there.", "How are you today?", "Goodbye."]
     run_cli(
         "predict",
-        *data_args(workdir, tiny_dir, "predict"),
+        *run_args(workdir, tiny_dir, "predict"),
         "--ckpt_path",
         resumed_run / "checkpoints" / "last.ckpt",
         "--trainer.logger",
