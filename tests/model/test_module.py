@@ -116,3 +116,22 @@ def test_predict_batch_is_typed(tiny_dir):
     assert module.predict_tools() is tools  # loaded once
     assert tools.generation == generation_defaults(tiny_dir) and tools.generation  # the directory's sampling
     assert set(module.state_dict()) == keys and "_predict_tools" not in module.hparams
+
+
+def test_settings_are_the_hparams(tiny_dir):
+    """One value under two names: an edit of either after construction is what the optimizer uses and
+    what a checkpoint saves (Lightning's learning-rate finder writes the attribute)."""
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice"], learning_rate=1e-3, warmup_steps=0)
+    module.hparams.learning_rate = 2e-4
+    assert module.learning_rate == 2e-4
+    module.weight_decay = 0.5
+    assert module.hparams["weight_decay"] == 0.5
+    import lightning as L
+
+    module.configure_model()
+    module.trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    (group,) = module.configure_optimizers()["optimizer"].param_groups
+    assert group["lr"] == 2e-4 and group["weight_decay"] == 0.5
+    # The default freeze list is copied, not shared between modules.
+    module.freeze_patterns.append("talker.codec_head")
+    assert Qwen3TTSModule(str(tiny_dir), speakers=["alice"]).freeze_patterns == ["speaker_encoder"]

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from tts_lightning.deprecation import moved
+from tts_lightning.hparams import HParam
 from tts_lightning.model.generation import (
     SAMPLE_RATE,
     PredictBatch,
@@ -72,6 +73,16 @@ class Qwen3TTSModule(L.LightningModule):
     """
 
     speaker_embeddings: Tensor  # a buffer (registered in __init__)
+    # The constructor's settings as typed attributes over `hparams` (one value: editing either after
+    # construction changes the run, and checkpoints save what is used).
+    pretrained: HParam[str] = HParam()
+    learning_rate: HParam[float] = HParam()
+    weight_decay: HParam[float] = HParam()
+    warmup_steps: HParam[int] = HParam()
+    lr_schedule: HParam[Literal["constant", "cosine"]] = HParam()
+    sub_talker_loss_weight: HParam[float] = HParam()
+    freeze_patterns: HParam[list[str]] = HParam("freeze")
+    attn_implementation: HParam[Literal["sdpa", "eager"]] = HParam()
 
     def __init__(
         self,
@@ -88,16 +99,8 @@ class Qwen3TTSModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.adapter = LoRASettings.coerce(adapter)
-        self.save_hyperparameters()
-        # The settings, typed (hparams, saved in checkpoints, holds the same values).
-        self.pretrained = pretrained
-        self.learning_rate = learning_rate
-        self.weight_decay = weight_decay
-        self.warmup_steps = warmup_steps
-        self.lr_schedule = lr_schedule
-        self.sub_talker_loss_weight = sub_talker_loss_weight
-        self.freeze_patterns = list(freeze)
-        self.attn_implementation = attn_implementation
+        self.save_hyperparameters()  # the settings below (`HParam`) are these entries, typed
+        self.freeze_patterns = list(freeze)  # a copy: the default list is shared between instances
         # Plain data in checkpoints (loaded with weights_only=True), never a pickled dataclass.
         self.hparams["adapter"] = None if self.adapter is None else self.adapter.to_dict()
         # A LoRA checkpoint leaves out the frozen base weights, which configure_model rebuilds from
