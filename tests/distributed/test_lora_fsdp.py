@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import data_args, newest_last
+from tiny_runs import fit_args as shared_fit_args
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import CheckpointReader, load_training_checkpoint
@@ -94,39 +96,10 @@ def cli(run_cli):
     return run
 
 
-def data_args(workdir, tiny_dir):
-    return [
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
-    ]
-
-
 def fit_args(workdir, tiny_dir, run, *extra, config=CONFIG):
-    return [
-        "fit",
-        "--config",
-        config,
-        *data_args(workdir, tiny_dir),
-        "--trainer.max_steps",
-        STEPS,
-        "--trainer.val_check_interval",
-        CHECKPOINT_EVERY,
-        "--trainer.default_root_dir",
-        workdir / run,
-        "--trainer.logger.init_args.save_dir",
-        workdir / run,
-        *extra,
-    ]
-
-
-def newest_last(run_dir):
-    return max(Path(run_dir).rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
+    """`fit` of ``config`` for STEPS steps, validated and checkpointed every CHECKPOINT_EVERY."""
+    steps = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", CHECKPOINT_EVERY)
+    return shared_fit_args(config, workdir, tiny_dir, run, *steps, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -416,32 +389,21 @@ def test_resume_gives_the_same_adapters(straight, resumed, state_dict_type):
         torch.testing.assert_close(again.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
-def test_lora_checkpoints_are_under_a_tenth_of_full_fine_tuning(straight, resumed, workdir, tiny_dir, cli):
-    """Against a full fine-tuning checkpoint of the same format (one step: its size does not depend on
-    the step). Full format: under a tenth on disk. Sharded: the tensors (adapters, speaker table,
-    AdamW state) are under a tenth too, but torch.distributed.checkpoint adds ~2 KB per tensor shard
-    per rank (a torch.save zip record each) plus ~0.3 KB of metadata, which on the tiny model's
-    ~450 adapter shards is four fifths of the folder: on disk it stays at about a tenth."""
-    sizes = {}
-    for kind in ("sharded", "full"):
-        run = f"full-ft-{kind}"
-        cli(
-            *fit_args(
-                workdir,
-                tiny_dir,
-                run,
-                "--trainer.max_steps",
-                1,
-                "--trainer.val_check_interval",
-                1,
-                "--trainer.strategy.init_args.state_dict_type",
-                kind,
-                config=REPO / "configs" / "tiny-cpu.yaml",
-            ),
-            cwd=workdir,
-        )
-        lora = newest_last(straight[0] if kind == "sharded" else resumed("full"))
-        sizes[kind] = (lora, newest_last(workdir / run))
+def test_lora_checkpoints_are_under_a_tenth_of_full_fine_tuning(
+    straight, resumed, fsdp1_reference, fsdp2_full_reference
+):
+    """Against a full fine-tuning checkpoint of the same format: the session's seeded full fine-tuning
+    runs (conftest.py of this folder; FSDP1 with sharded checkpoints, FSDP2 with full ones: the size
+    depends on the format, not on the step or the strategy). Full format: under a tenth on disk.
+    Sharded: the tensors (adapters, speaker table, AdamW state) are under a tenth too, but
+    torch.distributed.checkpoint adds ~2 KB per tensor shard per rank (a torch.save zip record each)
+    plus ~0.3 KB of metadata, which on the tiny model's ~450 adapter shards is four fifths of the
+    folder: on disk it stays at about a tenth."""
+    sizes = {
+        "sharded": (newest_last(straight[0]), newest_last(fsdp1_reference[0])),
+        "full": (newest_last(resumed("full")), newest_last(fsdp2_full_reference[0])),
+    }
+    assert sizes["sharded"][1].is_dir() and sizes["full"][1].is_file()
     for kind, (lora, full) in sizes.items():
         print(
             f"LoRA / full fine-tuning checkpoint ({kind}): {size_of(lora)} / {size_of(full)} bytes on disk "
