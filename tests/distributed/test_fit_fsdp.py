@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, fit_args, newest_last, scalars
+from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, data_args, fit_args, newest_last, scalars
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
@@ -157,14 +157,7 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
         "validate",
         "--config",
         TINY_CPU,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
+        *data_args(workdir, tiny_dir),
         "--trainer.logger",
         "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir",

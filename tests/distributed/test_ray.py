@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import data_args
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.distributed import ray_cli
@@ -37,14 +38,7 @@ def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), config=CONFIG
         config,
         "--config",
         extra_config,
-        "--data.pretrained",
-        tiny_dir,
-        "--data.train_manifest",
-        workdir / "demo" / "train.jsonl",
-        "--data.cache_dir",
-        workdir / "cache",
-        "--data.max_frames_per_batch",
-        150,
+        *data_args(workdir, tiny_dir),
         "--trainer.default_root_dir",
         workdir / run,
         "--trainer.logger.init_args.save_dir",
@@ -260,17 +254,7 @@ def test_help_names_the_ray_options_and_what_they_replace(capsys):
 def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, capsys, override, code, needle):
     import ray
 
-    args = [
-        "--config",
-        str(CONFIG),
-        "--data.pretrained",
-        str(tiny_dir),
-        "--data.train_manifest",
-        str(workdir / "demo" / "train.jsonl"),
-        "--data.cache_dir",
-        str(workdir / "bad-cache"),
-        *override,
-    ]
+    args = ["--config", str(CONFIG), *map(str, data_args(workdir, tiny_dir, workdir / "bad-cache")), *override]
     try:
         rc = ray_cli.ray_fit_command(args)
     except SystemExit as exc:  # LightningCLI's parser error
@@ -298,18 +282,7 @@ def test_a_strategy_other_than_fsdp1_or_fsdp2_is_refused_before_ray_starts(
     import ray
 
     cache = tmp_path / "cache"
-    args = [
-        "--config",
-        str(CONFIG),
-        "--data.pretrained",
-        str(tiny_dir),
-        "--data.train_manifest",
-        str(workdir / "demo" / "train.jsonl"),
-        "--data.cache_dir",
-        str(cache),
-        "--trainer.strategy",
-        strategy,
-    ]
+    args = ["--config", str(CONFIG), *map(str, data_args(workdir, tiny_dir, cache)), "--trainer.strategy", strategy]
     assert ray_cli.ray_fit_command(args) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "tts-lightning ray-fit: error: ray-fit trains with FSDP1 or FSDP2;" in err and needle in err

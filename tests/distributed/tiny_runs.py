@@ -14,15 +14,16 @@ TINY_CPU_FSDP2 = REPO / "configs" / "tiny-cpu-fsdp2.yaml"
 REFERENCE_STEPS, REFERENCE_EVERY = 8, 4
 
 
-def data_args(workdir: Path, tiny_dir: Path) -> list:
-    """The demo clips (copied to ``workdir/demo``) on the tiny model, 150 frames per batch."""
+def data_args(workdir: Path, tiny_dir: Path, cache: Path | None = None) -> list:
+    """The demo clips (copied to ``workdir/demo``) on the tiny model, 150 frames per batch, codes
+    cached in ``cache`` (default ``workdir/cache``)."""
     return [
         "--data.pretrained",
         tiny_dir,
         "--data.train_manifest",
         workdir / "demo" / "train.jsonl",
         "--data.cache_dir",
-        workdir / "cache",
+        workdir / "cache" if cache is None else cache,
         "--data.max_frames_per_batch",
         150,
     ]
