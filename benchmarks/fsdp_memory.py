@@ -328,6 +328,7 @@ def main() -> int:
         micro_batch_frames=100,
     )
     predicted = {
+        "fsdp2": plan_memory(config, sharding="FULL_SHARD", layout="fsdp2", **common),
         "fsdp": plan_memory(config, sharding="FULL_SHARD", **common),
         "ddp": plan_memory(config, sharding="NO_SHARD", **common),
     }
@@ -368,7 +369,7 @@ def main() -> int:
     print(f"FSDP2/FSDP1 model states per rank: {states21:.3f} (target <= 1.0)")
     print(f"FSDP2/FSDP1 peak tensor memory per rank: {peak21:.3f} (target <= 1.0)")
     print(f"FSDP2/FSDP1 step time (median of {STEPS}, slowest rank): {step21:.3f} (target <= 1.1)")
-    print(f"planner vs measurement (FSDP1, DDP), worst rank: {err * 100:.1f}% off (target within 25%)")
+    print(f"planner vs measurement (FSDP2, FSDP1, DDP), worst rank: {err * 100:.1f}% off (target within 25%)")
     losses = {m: [round(r["loss"], 4) for r in results[m]] for m in results}
     print(f"losses (per rank, different batches; same across modes): {losses}")
     ok = ratio <= 0.6 and err <= 0.25 and states21 <= 1.0 and peak21 <= 1.0
