@@ -182,6 +182,17 @@ def fsdp2(workdir, tiny_dir, cli):
     return run, output
 
 
+def assert_frozen_checked(output, backwards):
+    """Both ranks' CheckFrozen ran: ``backwards`` backward passes without frozen gradients, the frozen
+    weights unchanged and some lora_B moved."""
+    for rank in (0, 1):
+        assert re.search(
+            rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
+            rf"{backwards} backward passes checked",
+            output,
+        ), output[-3000:]
+
+
 def fsdp2_sharded(run_dir):
     """The FSDP2 run's sharded checkpoint (step CHECKPOINT_EVERY, written before the crash)."""
     (found,) = [c for c in (run_dir / "checkpoints").glob(f"step{CHECKPOINT_EVERY:06d}-*.ckpt") if c.is_dir()]
@@ -192,12 +203,7 @@ def test_fsdp2_lora_resumes_to_the_fsdp1_adapters(straight, fsdp2):
     """Same batches, same adapters as FSDP1's uninterrupted run, after a crash and a resume from the
     sharded checkpoint (model and AdamW state read key by key into the DTensor shards)."""
     run_dir, output = fsdp2
-    for rank in (0, 1):
-        assert re.search(
-            rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
-            rf"{STEPS - CHECKPOINT_EVERY} backward passes checked",
-            output,
-        ), output[-3000:]
+    assert_frozen_checked(output, STEPS - CHECKPOINT_EVERY)
     assert len(re.findall(r"\[rank \d\] FSDP2 fully_shard", output)) == 2
     expected = load_training_checkpoint(newest_last(straight[0]))
     final = load_training_checkpoint(run_dir / "checkpoints" / "last.ckpt")
@@ -281,12 +287,7 @@ def test_fsdp2_bf16_mixed_resumes_from_a_full_checkpoint_with_a_bf16_base(fsdp2,
 def test_lora_trains_with_two_fsdp_ranks(straight):
     run_dir, proc = straight
     output = proc.stdout + proc.stderr
-    for rank in (0, 1):
-        assert re.search(
-            rf"\[CheckFrozen\] rank {rank}: \d+ frozen weights unchanged, \d+ lora_B moved, "
-            rf"{STEPS} backward passes checked",
-            output,
-        ), output[-3000:]
+    assert_frozen_checked(output, STEPS)
     assert len(re.findall(r"\[rank \d\] FSDP FULL_SHARD", output)) == 2
     val = [e.value for e in events(run_dir).Scalars("val/loss")]
     assert len(val) == 2 and val[-1] < val[0], val
