@@ -31,6 +31,7 @@ from typing import Any, Literal, cast
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -218,7 +219,12 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         # already-wrapped model. FSDP1 on CPU needs device_id=cpu (Lightning passes the index, None
         # on CPU), and a meta-built model is materialized unit by unit as it is wrapped.
         kwargs = dict(self.kwargs)
-        if getattr(model, "wrap_trainable_leaves", False) and kwargs.get("auto_wrap_policy") is not None:
+        # Units of their own for the trainable leaves only when training: they spare the frozen
+        # units a gradient, but each is one more all-gather per forward: with a lora_A and a lora_B
+        # per adapted linear, generation (predict, validate's samples) ran several times slower than
+        # with the layer units alone. Checkpoints are keyed by parameter name: either wrapping loads them.
+        leaves = getattr(model, "wrap_trainable_leaves", False) and self._fitting()
+        if leaves and kwargs.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _with_trainable_leaves(kwargs["auto_wrap_policy"])
         weights = getattr(model, "pending_weights", None)
         if weights is not None:
@@ -242,6 +248,10 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         finally:
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy
+
+    def _fitting(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's FSDP loading, plus checkpoints that hold only the trainable tensors (a LoRA
