@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torchaudio
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import ClipRecord, load_manifest
-from tts_lightning.data.validation import ValidationConfig, validate_clips
+from tts_lightning.data.validation import FileCheck, ValidationConfig, check_file, files_to_check, validate_clips
 
 CONFIG = ValidationConfig(min_duration=0.5, max_duration=3.0, silence_threshold_db=-50.0)
 
@@ -101,6 +102,25 @@ def test_every_rejection_reason_from_real_files_reaches_the_json_report(bad_data
 
     summary = report.summary()
     assert "accepted 2 clips" in summary and "unreadable_audio: 4" in summary
+
+
+def test_files_checked_ahead_in_shares_give_the_same_report(bad_dataset: Path, tmp_path: Path, monkeypatch) -> None:
+    """The ranks of a run check their shares of the files (saved as JSON) and one validates with
+    them: the report is the one a single process writes, and no file is read again."""
+    manifest = load_manifest(bad_dataset, default_speaker="spk")
+    loud = _write_variant(demo_dir() / "clips" / "alice" / "alice_001.flac", tmp_path / "loud.wav", gain_db=30.0)
+    records = [*manifest.records, ClipRecord(loud, "She planted roses along the garden wall.", "spk", "x:1")]
+    for config in (CONFIG, ValidationConfig(max_duration=3.0, clipped_action="flag")):
+        files = files_to_check(records)
+        assert len(files) == len(set(files)) and tmp_path / "missing.wav" not in files
+        shares = [[[str(f), asdict(check_file(f, config))] for f in files[r::2]] for r in range(2)]
+        checks = {Path(f): FileCheck(**c) for share in json.loads(json.dumps(shares)) for f, c in share}
+        serial = validate_clips(records, config, manifest_rejections=manifest.rejected)
+        with monkeypatch.context() as m:
+            m.setattr("tts_lightning.data.validation.check_file", lambda *a: pytest.fail(f"read again: {a[0]}"))
+            ahead = validate_clips(records, config, manifest_rejections=manifest.rejected, checks=checks)
+        assert ahead.to_dict() == serial.to_dict() and ahead.accepted == serial.accepted
+    assert [w.reason for w in ahead.warnings] == ["clipped"]
 
 
 def test_accepted_clip_records_duration_and_content_hash(tmp_path: Path, write_tone) -> None:

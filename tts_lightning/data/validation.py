@@ -6,7 +6,7 @@ import hashlib
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -194,11 +194,79 @@ def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: Va
     return problems
 
 
+@dataclass(frozen=True)
+class FileCheck:
+    """What the checks of one audio file found, on its own: the same whichever record names it and
+    whichever process reads it, so the files can be checked anywhere (each rank of a run checks its
+    share) and combined in manifest order by `validate_clips`. Plain JSON values (`asdict`)."""
+
+    digest: str | None = None  # sha256 of the file bytes; None when they could not be read
+    reason: str | None = None  # the first per-file check that failed (with its detail), else None
+    detail: str = ""
+    duration: float = 0.0  # seconds, decoded
+    speech: float = 0.0  # seconds without edge silence
+    clipped: str | None = None  # detail of a clipped clip that the config flags rather than rejects
+
+
+def check_file(path: Path, config: ValidationConfig) -> FileCheck:
+    """Read, hash, decode and check one audio file: unreadable, too short / too long (from the
+    header, so an hour-long file is not decoded), silent, clipped."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return FileCheck(reason="unreadable_audio", detail=f"cannot read {path}: {exc.strerror or exc}")
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        info = probe_audio(path, data=data)
+        if info.duration < config.min_duration:
+            detail = f"{info.duration:.2f} s is shorter than min_duration {config.min_duration} s"
+            return FileCheck(digest, "too_short", detail)
+        if info.duration > config.max_duration:
+            detail = f"{info.duration:.2f} s is longer than max_duration {config.max_duration} s"
+            return FileCheck(digest, "too_long", detail)
+        samples, rate = read_audio(path, data=data)
+    except AudioReadError as exc:
+        return FileCheck(digest, "unreadable_audio", exc.reason)
+    level = _rms_dbfs(samples)
+    if level < config.silence_threshold_db:
+        shown = "-inf" if math.isinf(level) else f"{level:.1f}"
+        return FileCheck(digest, "silent", f"RMS level {shown} dBFS is below {config.silence_threshold_db} dBFS")
+    clipped, flagged = clipped_fraction(samples, config.clip_level), None
+    if clipped > config.max_clipped_fraction:
+        flagged = (
+            f"{100 * clipped:.2f}% of samples at or above {config.clip_level} of full scale "
+            f"(limit {100 * config.max_clipped_fraction:.2f}%): the recording is clipped"
+        )
+        if config.clipped_action == "reject":
+            return FileCheck(digest, "clipped", flagged)
+    # Decoded length, not the header's: compressed formats may only estimate it.
+    duration = samples.shape[1] / rate
+    return FileCheck(digest, duration=duration, speech=speech_seconds(samples, rate), clipped=flagged)
+
+
+def _precheck(rec: ClipRecord) -> tuple[str, str] | None:
+    """The checks of a record that read no audio (before its duplicate-path check), as (reason, detail)."""
+    if not rec.audio.is_file():
+        return "missing_file", f"audio file not found: {rec.audio}"
+    if not rec.text.strip():
+        return "empty_transcript", "transcript is empty or whitespace only"
+    if rec.ref_audio is not None and not rec.ref_audio.is_file():
+        return "missing_ref_audio", f"reference audio not found: {rec.ref_audio}"
+    return None
+
+
+def files_to_check(records: Iterable[ClipRecord]) -> list[Path]:
+    """The distinct audio files `validate_clips` reads for ``records`` (the records that pass the
+    checks that read no audio), in order: what `check_file` can do ahead of it."""
+    return list(dict.fromkeys(rec.audio for rec in records if _precheck(rec) is None))
+
+
 def validate_clips(
     records: Iterable[ClipRecord],
     config: ValidationConfig | None = None,
     *,
     manifest_rejections: Iterable[Rejection] = (),
+    checks: Mapping[Path, FileCheck] | None = None,
 ) -> ValidationReport:
     """Read each clip's bytes once and accept or reject it.
 
@@ -207,9 +275,11 @@ def validate_clips(
     outside [min, max], silence, clipping; then, over all the clips that passed, the speaking
     rate of each against its speaker's (`transcript_mismatch`). A clip is a duplicate only of an
     earlier clip that passed the per-clip checks. Clipping and mismatches are rejected or, as the
-    config says, kept and listed in ``report.warnings``.
+    config says, kept and listed in ``report.warnings``. ``checks``: `check_file` results already
+    computed (e.g. by several processes); a file without one is checked here.
     """
     config = config or ValidationConfig()
+    checks = checks or {}
     report = ValidationReport(rejected=list(manifest_rejections), config=config)
     seen_paths: dict[Path, str] = {}
     seen_hashes: dict[str, str] = {}
@@ -221,59 +291,28 @@ def validate_clips(
         def reject(reason: str, detail: str, rec: ClipRecord = rec, audio: str = audio) -> None:
             report.rejected.append(Rejection(rec.source, audio, reason, detail))
 
-        if not rec.audio.is_file():
-            reject("missing_file", f"audio file not found: {rec.audio}")
+        problem = _precheck(rec)
+        if problem is not None and problem[0] == "missing_file":
+            reject(*problem)
             continue
         if rec.audio in seen_paths:
             reject("duplicate", f"same audio path as {seen_paths[rec.audio]}")
             continue
-        if not rec.text.strip():
-            reject("empty_transcript", "transcript is empty or whitespace only")
+        if problem is not None:
+            reject(*problem)
             continue
-        if rec.ref_audio is not None and not rec.ref_audio.is_file():
-            reject("missing_ref_audio", f"reference audio not found: {rec.ref_audio}")
+        check = checks.get(rec.audio) or check_file(rec.audio, config)
+        if check.digest is not None and check.digest in seen_hashes:
+            reject("duplicate", f"same audio content as {seen_hashes[check.digest]}")
             continue
-        try:
-            data = rec.audio.read_bytes()
-        except OSError as exc:
-            reject("unreadable_audio", f"cannot read {rec.audio}: {exc.strerror or exc}")
+        if check.reason is not None or check.digest is None:
+            reject(check.reason or "unreadable_audio", check.detail)
             continue
-        digest = hashlib.sha256(data).hexdigest()
-        if digest in seen_hashes:
-            reject("duplicate", f"same audio content as {seen_hashes[digest]}")
-            continue
-        try:
-            # Header first so an hour-long file is rejected as too_long without decoding it.
-            info = probe_audio(rec.audio, data=data)
-            if info.duration < config.min_duration:
-                reject("too_short", f"{info.duration:.2f} s is shorter than min_duration {config.min_duration} s")
-                continue
-            if info.duration > config.max_duration:
-                reject("too_long", f"{info.duration:.2f} s is longer than max_duration {config.max_duration} s")
-                continue
-            samples, rate = read_audio(rec.audio, data=data)
-        except AudioReadError as exc:
-            reject("unreadable_audio", exc.reason)
-            continue
-        level = _rms_dbfs(samples)
-        if level < config.silence_threshold_db:
-            shown = "-inf" if math.isinf(level) else f"{level:.1f}"
-            reject("silent", f"RMS level {shown} dBFS is below {config.silence_threshold_db} dBFS")
-            continue
-        clipped = clipped_fraction(samples, config.clip_level)
-        if clipped > config.max_clipped_fraction:
-            detail = (
-                f"{100 * clipped:.2f}% of samples at or above {config.clip_level} of full scale "
-                f"(limit {100 * config.max_clipped_fraction:.2f}%): the recording is clipped"
-            )
-            if config.clipped_action == "reject":
-                reject("clipped", detail)
-                continue
-            report.warnings.append(Rejection(rec.source, audio, "clipped", detail))
+        if check.clipped is not None:
+            report.warnings.append(Rejection(rec.source, audio, "clipped", check.clipped))
         seen_paths[rec.audio] = rec.source
-        seen_hashes[digest] = rec.source
-        # Decoded length, not the header's: compressed formats may only estimate it.
-        measured.append((AcceptedClip(rec, samples.shape[1] / rate, digest), speech_seconds(samples, rate)))
+        seen_hashes[check.digest] = rec.source
+        measured.append((AcceptedClip(rec, check.duration, check.digest), check.speech))
 
     problems = _check_speaking_rates(measured, config)
     for i, (clip, _) in enumerate(measured):
