@@ -1,8 +1,10 @@
-"""Codec encoding split over the ranks of a real 2-process run (gloo) writes the same cache bytes
-as a single process."""
+"""`prepare` split over the ranks of a run (file checks, codec encoding, speaker embeddings) writes
+the same bytes as a single process: in a real 2-process run (gloo), and with the ranks in threads on
+one shared cache folder or on a cache folder per node."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.prepare import DataPreparer, PrepareSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,8 +45,10 @@ print(f"rank {trainer.global_rank}: {len(data.train_dataset)} train clips", flus
 
 
 def _files(cache: Path) -> dict[str, bytes]:
-    """The codes, the speaker embeddings and the index: what training reads."""
-    paths = [*cache.glob("codes/*/*.npy"), *cache.glob("speakers/*"), cache / "prepared.json"]
+    """Every file of the cache folder but the memo of file fingerprints (its order of entries is the
+    order the processes wrote them): the codes, the speaker table, the index, the report and the
+    validation memo; no part a rank left behind."""
+    paths = [p for p in cache.rglob("*") if p.is_file() and p.name != "fingerprints.json"]
     return {p.relative_to(cache).as_posix(): p.read_bytes() for p in paths}
 
 
@@ -75,5 +80,59 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path):
     ).prepare()
     parallel, serial = _files(tmp_path / "parallel"), _files(tmp_path / "serial")
     assert len([p for p in serial if p.endswith(".npy")]) == 24
+    assert {"report.json", "prepared.json"} <= serial.keys() and len([p for p in serial if "validation/" in p]) == 1
     assert parallel.keys() == serial.keys()
     assert [p for p in serial if parallel[p] != serial[p]] == []
+
+
+def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]], gate) -> None:
+    """One rank of a run, preparing into each layout of cache folders (one per rank) in turn, twice.
+    Each time as a run calls `prepare_on_all_ranks`: after ``prepare_data`` on each node's finishing
+    rank (rank 0, and rank 1 when its cache folder is its own: another node's disk). The second
+    time any file check, encoding or embedding fails: a second run does none."""
+    import tts_lightning.data.codec_cache as codec_cache
+    import tts_lightning.data.prepare as prepare
+    import tts_lightning.data.speakers as speakers
+    import tts_lightning.data.validation as validation
+
+    def fail(*args, **kwargs):
+        raise AssertionError(f"rank {rank}: work done again {args[:1]}")
+
+    try:
+        for again in (False, True):
+            if again:
+                prepare.check_file = validation.check_file = fail
+                codec_cache.CodecCache._get_tokenizer = fail
+                speakers.SpeakerEncoder.embed_files = fail
+            for caches in layouts:
+                preparer = DataPreparer(PrepareSettings(tiny_dir, manifest, cache_dir=caches[rank]))
+                finisher = rank == 0 or caches[rank] != caches[0]
+                if finisher:
+                    preparer.read_manifests()  # prepare_data
+                gate.wait()
+                preparer.prepare_on_all_ranks(2, rank, finisher, barrier=lambda name: gate.wait(), device="cpu")
+    except BaseException:
+        gate.abort()  # the other rank stops waiting
+        raise
+
+
+@pytest.mark.slow  # a model build and 2 processes: about a minute
+def test_ranks_sharing_a_cache_or_each_on_its_own_disk_write_the_bytes_of_one_process(tiny_dir, tmp_path):
+    shutil.copytree(demo_dir(), tmp_path / "demo", ignore=shutil.ignore_patterns(".*"))
+    manifest = tmp_path / "demo" / "train.jsonl"
+    DataPreparer(PrepareSettings(str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"))).prepare()
+
+    shared = [tmp_path / "shared"] * 2
+    node_local = [tmp_path / "node0", tmp_path / "node1"]  # each finishing rank does what it cannot see
+    ctx = multiprocessing.get_context("spawn")
+    gate = ctx.Barrier(2, timeout=300)
+    layouts = [[str(c) for c in caches] for caches in (shared, node_local)]
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tiny_dir), str(manifest), layouts, gate)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(600)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    serial = _files(tmp_path / "serial")
+    for cache in {*shared, *node_local}:
+        assert _files(cache) == serial, cache

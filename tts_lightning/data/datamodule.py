@@ -7,9 +7,12 @@ write ``prepared.json``, the index of what to train on (the cache folder's layou
 there). ``setup`` (every process) reads those files, never attributes set by ``prepare_data``, so
 it works in any process, and a fresh instance can ``setup`` from a cache prepared earlier.
 
-In a run of several processes ``prepare_data`` only validates; ``setup`` then splits the codec
-encoding over every rank (each re-reads the memoised validation from disk, encodes its share, and
-after a barrier the ``prepare_data`` rank writes the index), with the same bytes as one process.
+In a run of several processes ``prepare_data`` only reads the manifests (cutting subtitled
+recordings); ``setup`` then splits the work that reads every clip over the ranks
+(`DataPreparer.prepare_on_all_ranks`): each rank checks its share of the audio files, the
+``prepare_data`` rank validates with them and writes the report; each rank encodes its share of
+the codes and embeds its share of the speakers, and the ``prepare_data`` rank writes the index.
+The files are the bytes one process writes.
 
 The module deals its length-bucketed batches to the ranks itself, so a run of several processes
 needs ``Trainer(use_distributed_sampler=False)`` (the ``tts-lightning`` CLI's default); with the
@@ -247,11 +250,12 @@ class SpeakerClipsDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Lightning's hook (local rank 0 of each node). Alone: everything (`prepare`). In a run of
-        several processes: validation and the report only; `setup` then encodes on every rank."""
+        several processes: the manifests only (subtitled recordings are cut here, once per node);
+        `setup` then validates, encodes and embeds on every rank."""
         if self._distributed() is None:
             self.prepare()
         else:
-            self.preparer.plan()
+            self.preparer.read_manifests()
 
     def prepare(
         self, *, ray_workers: int = 0, ray_address: str = "local", show_report: bool = True

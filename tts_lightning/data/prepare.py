@@ -12,16 +12,19 @@ Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_c
     prepared.json                  the settings, the speakers and every clip (hash, text, speaker,
                                    language, frames, codes file, train/val split)
     validation/<manifest>.json     the memoised validation of each manifest
+    validation/parts/              each rank's checks of its share of the files, while a run validates
     codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
     speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
+    speakers/parts/                embeddings computed by the ranks of a run, until the table takes them
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,12 +35,22 @@ from lightning.pytorch.utilities import rank_zero_info
 from tts_lightning.data.codec_cache import CodecCache
 from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
 from tts_lightning.data.progress import EncodeProgress
-from tts_lightning.data.speakers import compute_speaker_table, select_references
+from tts_lightning.data.speakers import compute_speaker_table, embed_speakers, select_references
 from tts_lightning.data.subtitles import Segment, cut_subtitled, subtitle_speakers
-from tts_lightning.data.validation import AcceptedClip, ValidationConfig, ValidationReport, validate_clips
+from tts_lightning.data.validation import (
+    AcceptedClip,
+    FileCheck,
+    ValidationConfig,
+    ValidationReport,
+    check_file,
+    files_to_check,
+    validate_clips,
+)
 from tts_lightning.files import atomic_write_json
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 from tts_lightning.model.sequence import SpecialIds
+
+logger = logging.getLogger(__name__)
 
 PREPARED_VERSION = 1
 VALIDATION_MEMO_VERSION = 2
@@ -80,29 +93,53 @@ def _file_stamp(path: Path | None) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns]
 
 
-def validate_with_memo(manifest: ManifestResult, config: ValidationConfig, memo_path: Path) -> ValidationReport:
-    """`validate_clips`, remembered in ``memo_path``: while the manifest's entries, the
-    validation settings and every referenced file's size and modification time are unchanged,
-    the previous outcome is reused instead of reading and decoding every clip again."""
+def validation_fingerprint(manifest: ManifestResult, config: ValidationConfig) -> str:
+    """What a manifest's validation depends on: its entries, the settings, and every referenced
+    file's size and modification time."""
     h = hashlib.sha256(json.dumps({"version": VALIDATION_MEMO_VERSION, "config": asdict(config)}).encode())
     for r in manifest.records:
         h.update(repr((r, _file_stamp(r.audio), _file_stamp(r.ref_audio))).encode())
     for rej in manifest.rejected:
         h.update(repr(rej).encode())
-    fingerprint = h.hexdigest()
-    if memo_path.is_file():
-        try:
-            memo = json.loads(memo_path.read_text(encoding="utf-8"))
-            if memo.get("fingerprint") == fingerprint:
-                return ValidationReport(
-                    accepted=[AcceptedClip(manifest.records[i], d, c) for i, d, c in memo["accepted"]],
-                    rejected=[Rejection(**r) for r in memo["rejected"]],
-                    config=config,
-                    warnings=[Rejection(**w) for w in memo["warnings"]],
-                )
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
-            pass  # unreadable memo: validate again
-    report = validate_clips(manifest.records, config, manifest_rejections=manifest.rejected)
+    return h.hexdigest()
+
+
+def read_validation_memo(
+    manifest: ManifestResult, config: ValidationConfig, memo_path: Path, fingerprint: str
+) -> ValidationReport | None:
+    """The report remembered in ``memo_path`` when it was made for ``fingerprint``, else None."""
+    if not memo_path.is_file():
+        return None
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+        if memo.get("fingerprint") != fingerprint:
+            return None
+        return ValidationReport(
+            accepted=[AcceptedClip(manifest.records[i], d, c) for i, d, c in memo["accepted"]],
+            rejected=[Rejection(**r) for r in memo["rejected"]],
+            config=config,
+            warnings=[Rejection(**w) for w in memo["warnings"]],
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None  # unreadable memo: validate again
+
+
+def validate_with_memo(
+    manifest: ManifestResult,
+    config: ValidationConfig,
+    memo_path: Path,
+    *,
+    checks: Mapping[Path, FileCheck] | None = None,
+) -> ValidationReport:
+    """`validate_clips`, remembered in ``memo_path``: while the manifest's entries, the
+    validation settings and every referenced file's size and modification time are unchanged,
+    the previous outcome is reused instead of reading and decoding every clip again. ``checks``:
+    files already checked (`check_file`), e.g. by the ranks of a run."""
+    fingerprint = validation_fingerprint(manifest, config)
+    report = read_validation_memo(manifest, config, memo_path, fingerprint)
+    if report is not None:
+        return report
+    report = validate_clips(manifest.records, config, manifest_rejections=manifest.rejected, checks=checks)
     position = {id(r): i for i, r in enumerate(manifest.records)}
     atomic_write_json(
         memo_path,
@@ -399,40 +436,111 @@ class DataPreparer:
     def prepare_on_all_ranks(
         self, world: int, rank: int, finisher: bool, *, barrier: Callable[[str], None], device: str
     ) -> None:
-        """The codec encoding of `prepare`, split over the ranks of a run (called on every rank
-        after one process per node validated the data). Each rank encodes every ``world``-th clip
-        (sorted by duration, so the shares are even) into the cache, with the same bytes a single
-        process writes; after a barrier the finishing rank encodes whatever it still cannot see
-        (nothing when ``cache_dir`` is shared storage; the other nodes' shares when each node has
-        its own disk), computes the speaker embeddings and writes the index; all ranks wait for it.
-        ``barrier(name)`` is the strategy's own (no tensors, any backend)."""
-        plan = self.plan(show_report=False, write_report=False)  # the same plan on every rank: memoised on disk
+        """`prepare`, split over the ranks of a run (called on every rank, after one process per
+        node read the manifests). Each step that reads every clip is split the same way: each rank
+        does every ``world``-th item and leaves its results in the cache folder; after a barrier the
+        finishing rank combines them, doing itself whatever it cannot see (nothing when
+        ``cache_dir`` is shared storage; the other nodes' shares when each node has its own disk).
+
+        1. Validation: each rank checks its share of the audio files (`check_file`, into
+           ``validation/parts/``); the finishing rank validates with those results (the report of
+           one process), writes the memo and report.json, and shows the report.
+        2. Encoding: each rank encodes its share of the clips (sorted by duration, so the shares
+           are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
+           rank completes both and writes the index.
+
+        Everything is written with the bytes a single process writes; all ranks wait for each
+        finishing step. ``barrier(name)`` is the strategy's own (no tensors, any backend).
+        """
+        config = self.settings.validation_config()
+        files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
+        part = self._checks_part(files, rank, world)
+        if files:
+            atomic_write_json(part, [[str(f), asdict(check_file(f, config))] for f in files[rank::world]])
+        barrier("tts_lightning.prepare.checked")
+        plan = self.plan(checks=self._gather_checks(files, world, config)) if finisher else None
+        barrier("tts_lightning.prepare.validated")
+        part.unlink(missing_ok=True)  # every finishing rank has read it
+        if plan is None:
+            plan = self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
+
         ordered = sorted(plan.clips, key=lambda c: (c.duration, c.content_hash))
         self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
+        self.embed(plan, plan.speakers[rank::world])
         barrier("tts_lightning.prepare.encoded")
         if finisher:
             self.encode(plan.clips, device=device)
             self.write_index(plan)
         barrier("tts_lightning.prepare.indexed")
 
+    def read_manifests(self) -> None:
+        """Read the manifests, cutting long subtitled recordings into clips: what a run of several
+        processes does once per node (``prepare_data``) before its ranks read them together."""
+        for path in filter(None, (self.settings.train_manifest, self.settings.val_manifest)):
+            self._read_manifest(path)
+
+    def _files_to_validate(self) -> list[Path]:
+        """The audio files of the manifests whose validation memo is out of date, each once,
+        sorted by size (so that every ``world``-th file makes even shares) and path."""
+        config = self.settings.validation_config()
+        files: dict[Path, int] = {}
+        for path in filter(None, (self.settings.train_manifest, self.settings.val_manifest)):
+            manifest, _ = self._read_manifest(path)
+            fingerprint = validation_fingerprint(manifest, config)
+            if read_validation_memo(manifest, config, self._validation_memo(path), fingerprint) is None:
+                files.update((f, (_file_stamp(f) or [0])[0]) for f in files_to_check(manifest.records))
+        return sorted(files, key=lambda f: (files[f], str(f)))
+
+    def _checks_part(self, files: list[Path], rank: int, world: int) -> Path:
+        """Where ``rank`` leaves its checks of ``files``: named by the files (with their size and
+        modification time) and the settings, so a part an interrupted run left is never taken."""
+        h = hashlib.sha256(json.dumps(asdict(self.settings.validation_config())).encode())
+        for f in files:
+            h.update(repr((str(f), _file_stamp(f))).encode())
+        return self.cache_dir / "validation" / "parts" / f"{h.hexdigest()[:16]}-{rank}-of-{world}.json"
+
+    def _gather_checks(self, files: list[Path], world: int, config: ValidationConfig) -> dict[Path, FileCheck]:
+        """Every rank's checks of ``files``; a share whose part this rank cannot read (another
+        node's disk) is checked here."""
+        checks: dict[Path, FileCheck] = {}
+        for r in range(world):
+            share = files[r::world]
+            path = self._checks_part(files, r, world)
+            found: dict[Path, FileCheck] = {}
+            if share and path.is_file():
+                try:
+                    found = {Path(f): FileCheck(**c) for f, c in json.loads(path.read_text(encoding="utf-8"))}
+                except (OSError, ValueError, TypeError) as exc:
+                    logger.warning("ignoring unreadable validation part %s (%s); checking its files here", path, exc)
+            if set(found) != set(share):
+                found = {f: check_file(f, config) for f in share}
+            checks.update(found)
+        return checks
+
     # -- the steps ------------------------------------------------------------------------------
 
-    def plan(self, *, show_report: bool = True, write_report: bool = True) -> Plan:
-        """Read the manifests, validate (memoised), and choose the clips, speakers, split and
-        languages; write the report when ``write_report`` and show it (once) when ``show_report``.
-        Raises as `prepare` says."""
+    def plan(
+        self,
+        *,
+        show_report: bool = True,
+        write_report: bool = True,
+        checks: Mapping[Path, FileCheck] | None = None,
+    ) -> Plan:
+        """Read the manifests, validate (memoised; ``checks``: files already checked), and choose
+        the clips, speakers, split and languages; write the report when ``write_report`` and show
+        it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
         ids = SpecialIds.from_config(self.info.config)
         config = s.validation_config()
         cache = self.codec_cache()
 
         train_manifest, segments = self._read_manifest(s.train_manifest)
-        train = validate_with_memo(train_manifest, config, self._validation_memo(s.train_manifest))
+        train = validate_with_memo(train_manifest, config, self._validation_memo(s.train_manifest), checks=checks)
         val: ValidationReport | None = None
         if s.val_manifest is not None:
             val_manifest, val_segments = self._read_manifest(s.val_manifest)
             segments += val_segments
-            val = validate_with_memo(val_manifest, config, self._validation_memo(s.val_manifest))
+            val = validate_with_memo(val_manifest, config, self._validation_memo(s.val_manifest), checks=checks)
             # The same audio in both sets would make the validation loss meaningless.
             in_train = {c.content_hash: c.record.source for c in train.accepted}
             kept = []
@@ -530,6 +638,20 @@ class DataPreparer:
             f"{log}codec cache: {encoded} clip(s) encoded, {len(clips) - encoded} already cached ({self.cache_dir})"
         )
         return encoded
+
+    def embed(self, plan: Plan, speakers: list[str]) -> None:
+        """Compute the embeddings of ``speakers`` that the speaker table lacks, each into a file
+        that `write_index` takes instead of computing it: how the ranks of a run share the work."""
+        s = self.settings
+        embed_speakers(
+            self.cache_dir,
+            self.info,
+            select_references(plan.clips, plan.speakers, s.num_reference_clips),
+            speakers,
+            normalize=s.normalize,
+            trim_silence=s.trim_silence,
+            device=s.prepare_device or "cpu",  # the device `write_index` embeds on: the same bytes
+        )
 
     def write_index(self, plan: Plan) -> PreparedIndex:
         """Speaker embeddings and prepared.json (the clips' codes must all be cached)."""

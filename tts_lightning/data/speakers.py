@@ -20,6 +20,7 @@ whose key changed are recomputed, and the encoder is built only then.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -208,6 +209,56 @@ def _read_store(path: Path) -> dict[str, tuple[str, Tensor]]:
         return {}
 
 
+def speaker_part_path(cache_dir: str | os.PathLike, key: str) -> Path:
+    """Where `embed_speakers` leaves the embedding of a speaker key (the key names the encoder,
+    the references' contents and the options, so the file can only hold that embedding)."""
+    return Path(cache_dir) / "speakers" / "parts" / f"{key}.pt"
+
+
+def _embed(encoder: SpeakerEncoder, refs: Sequence[SpeakerReference], options: dict) -> Tensor:
+    return encoder.embed_files(
+        [r.path for r in refs], normalize=options["normalize"], trim_silence=options["trim_silence"]
+    )
+
+
+def embed_speakers(
+    cache_dir: str | os.PathLike,
+    info: PretrainedInfo,
+    references: dict[str, list[SpeakerReference]],
+    names: Iterable[str],
+    *,
+    normalize: str | None = None,
+    trim_silence: bool = False,
+    device: str | torch.device = "cpu",
+) -> None:
+    """Compute the embeddings of ``names`` (of ``references``) that the speaker table does not hold
+    up to date, each into its own file (`speaker_part_path`), which `compute_speaker_table` then
+    takes instead of computing it: how several processes share the work."""
+    names = list(names)
+    if not names:
+        return
+    encoder = SpeakerEncoder(info, device, memo_path=Path(cache_dir) / "fingerprints.json")
+    options = {"sample_rate": TARGET_SAMPLE_RATE, "normalize": normalize, "trim_silence": trim_silence}
+    store = _read_store(speaker_table_path(cache_dir, encoder.fingerprint))
+    for name in names:
+        key = _speaker_key(encoder.fingerprint, references[name], options)
+        part = speaker_part_path(cache_dir, key)
+        if (name in store and store[name][0] == key) or part.is_file():
+            continue  # in the table already, or computed by an earlier run that stopped before the table
+        logger.info("computing speaker embedding of %r from %d reference clip(s)", name, len(references[name]))
+        atomic_write(part, functools.partial(torch.save, _embed(encoder, references[name], options)))
+
+
+def _read_part(path: Path) -> Tensor | None:
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True).float()
+    except Exception as exc:  # unreadable part: compute it here rather than fail
+        logger.warning("ignoring unreadable speaker embedding %s (%s)", path, exc)
+        return None
+
+
 def compute_speaker_table(
     cache_dir: str | os.PathLike,
     info: PretrainedInfo,
@@ -219,23 +270,27 @@ def compute_speaker_table(
     encoder: SpeakerEncoder | None = None,
 ) -> SpeakerTable:
     """Embeddings for ``references`` (name -> files), in that order, reusing the cache where each
-    speaker's key is unchanged. The cache file keeps other speakers it already held."""
+    speaker's key is unchanged and the embeddings `embed_speakers` left. The cache file keeps other
+    speakers it already held."""
     encoder = encoder or SpeakerEncoder(info, device, memo_path=Path(cache_dir) / "fingerprints.json")
     options = {"sample_rate": TARGET_SAMPLE_RATE, "normalize": normalize, "trim_silence": trim_silence}
     path = speaker_table_path(cache_dir, encoder.fingerprint)
     store = _read_store(path)
     names = list(references)
-    keys, rows, computed = [], [], []
+    keys, rows, computed, taken = [], [], [], []
     for name in names:
         key = _speaker_key(encoder.fingerprint, references[name], options)
         cached = store.get(name)
         if cached is not None and cached[0] == key:
             rows.append(cached[1].float())
         else:
-            logger.info("computing speaker embedding of %r from %d reference clip(s)", name, len(references[name]))
-            emb = encoder.embed_files(
-                [r.path for r in references[name]], normalize=normalize, trim_silence=trim_silence
-            )
+            part = speaker_part_path(cache_dir, key)
+            emb = _read_part(part)
+            if emb is None:
+                logger.info("computing speaker embedding of %r from %d reference clip(s)", name, len(references[name]))
+                emb = _embed(encoder, references[name], options)
+            else:
+                taken.append(part)
             rows.append(emb)
             store[name] = (key, emb)
             computed.append(name)
@@ -249,6 +304,8 @@ def compute_speaker_table(
             "keys": [store[n][0] for n in all_names],
         }
         atomic_write(path, lambda fh: torch.save(data, fh))
+    for part in taken:  # in the table now
+        part.unlink(missing_ok=True)
     return SpeakerTable(names, torch.stack(rows).float(), keys, path)
 
 
