@@ -24,7 +24,7 @@ demo: install
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.

@@ -9,7 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -83,109 +82,14 @@ def make_datamodule(tiny_dir, demo_data):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch(
-    argv, *, timeout: float, cwd=None, check=True, pythonpath=(), env=None, ranks: int = 1
-) -> subprocess.CompletedProcess:
-    """Run a command in its own session (Lightning spawns its other ranks from it); on timeout (a
-    deadlock) every process group is killed and the test fails. ``env`` adds variables.
-
-    ``ranks`` > 1 starts that many copies of the command at once, each told its rank as torchrun or a
-    cluster scheduler does (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so that
-    their imports overlap instead of rank 1 starting only when rank 0 reaches ``fit`` (~10 s per
-    run on 2 cores). Their outputs are joined in rank order; the exit status is the first non-zero.
-    The README and demo tests keep Lightning's own launcher, as a user types the command."""
-    import os
-    import signal
-    import tempfile
-
-    path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
-    if ranks > 1:
-        cluster = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0"}
-        envs = [{**env, **cluster, "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)} for r in range(ranks)]
-    else:
-        envs = [env]
-    with tempfile.TemporaryDirectory() as logs:
-        files = [(open(f"{logs}/{r}.out", "w+"), open(f"{logs}/{r}.err", "w+")) for r in range(len(envs))]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, *map(str, argv)],
-                cwd=cwd,
-                env=e,
-                text=True,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-            for e, (out, err) in zip(envs, files)
-        ]
-        deadline = time.monotonic() + timeout
-        try:
-            for proc in procs:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            timed_out = True
-        else:
-            timed_out = False
-        for proc in procs:
-            proc.wait()
-        stdout, stderr = ("".join(_read(f[i]) for f in files) for i in (0, 1))
-        for out, err in files:
-            out.close()
-            err.close()
-    if timed_out:
-        raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    returncode = next((p.returncode for p in procs if p.returncode), 0)
-    if check and returncode != 0:
-        raise AssertionError(f"exit {returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
-    return subprocess.CompletedProcess(procs[0].args, returncode, stdout, stderr)
-
-
-def _read(file) -> str:
-    file.seek(0)
-    return file.read()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-
-
-def cli_ranks(args, cwd=None) -> int:
-    """How many processes a `tts-lightning` command runs as: for a Lightning command on CPU, the
-    trainer's ``devices`` (its ``--config`` files, then ``--trainer.devices``); otherwise 1 (the
-    tools, ``ray-fit``, whose workers Ray starts, and GPU configs)."""
-    import yaml
-
-    args = [str(a) for a in args]
-    if not args or args[0] not in LIGHTNING_COMMANDS:
-        return 1
-    trainer: dict = {}
-    for flag, value in zip(args, args[1:]):
-        if flag == "--config":
-            config = yaml.safe_load((Path(cwd or ".") / value).read_text()) or {}
-            trainer.update(config.get("trainer") or {})
-        elif flag.startswith("--trainer.") and "." not in flag[len("--trainer.") :]:
-            trainer[flag[len("--trainer.") :]] = yaml.safe_load(value)
-    devices = trainer.get("devices", 1)
-    return devices if trainer.get("accelerator") == "cpu" and isinstance(devices, int) else 1
-
-
 @pytest.fixture(scope="session")
 def run_script():
-    """run_script(script, *args, timeout, cwd=None) -> output: one launcher for multi-process tests."""
+    """run_script(script, *args, timeout, cwd=None) -> output: a script in a process of its own
+    (tests/launcher.py)."""
+    from launcher import launch
 
     def run(script, *args, timeout: float, cwd=None) -> str:
-        proc = _launch([script, *args], timeout=timeout, cwd=cwd)
+        proc = launch([script, *args], timeout=timeout, cwd=cwd)
         return proc.stdout + proc.stderr
 
     return run
@@ -193,20 +97,25 @@ def run_script():
 
 @pytest.fixture(scope="session")
 def run_cli():
-    """run_cli(*args, cwd, timeout=900, check=True, pythonpath=()) -> CompletedProcess: the
-    `tts-lightning` command (``python -m tts_lightning``) through the same launcher; ``pythonpath``
-    adds folders (e.g. the test's own, for callbacks named in ``--trainer.callbacks``); ``env`` adds
-    environment variables. A Lightning command on several CPU processes starts them all at once
-    (`cli_ranks`, `_launch`)."""
+    """run_cli(*args, cwd, timeout=900, check=True, pythonpath=(), env=None) -> CompletedProcess: the
+    `tts-lightning` command, as many processes as it runs on, started by tests/launcher.py (forked
+    from a warm interpreter where it can be); ``pythonpath`` adds folders (e.g. the test's own, for
+    callbacks named in ``--trainer.callbacks``); ``env`` adds environment variables."""
+    from launcher import Zygotes, cli_ranks, launch
+
+    zygotes = Zygotes()
 
     def run(
         *args, cwd, timeout: float = 900, check: bool = True, pythonpath=(), env=None
     ) -> subprocess.CompletedProcess:
-        argv = ["-m", "tts_lightning", *args]
         kwargs = dict(timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath, env=env)
-        return _launch(argv, ranks=cli_ranks(args, cwd), **kwargs)
+        ranks = cli_ranks(args, cwd)
+        if ranks is None:  # Lightning or Ray starts the other processes: a fresh interpreter, as typed
+            return launch(["-m", "tts_lightning", *args], **kwargs)
+        return launch(list(args), ranks=ranks, zygotes=zygotes, **kwargs)
 
-    return run
+    yield run
+    zygotes.close()
 
 
 def make_demo_commands() -> list[str]:

@@ -1,0 +1,202 @@
+"""How the tests start `tts-lightning` commands and scripts in processes of their own (the `run_cli`
+and `run_script` fixtures of conftest.py).
+
+- A Lightning command on several CPU processes starts them all at once, each told its rank as
+  torchrun or a cluster scheduler does (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``),
+  instead of Lightning's launcher starting rank 1 only when rank 0 reaches ``fit``.
+- Those ranks and the tools are forked from warm interpreters (tests/zygote.py, one per rank) that
+  have already imported Lightning and qwen_tts: ~12 s of CPU saved per process. ``ray-fit`` (Ray starts its own
+  workers) and scripts start fresh interpreters.
+The README and demo tests start nothing through here: they run the commands as a user types them,
+with Lightning's own launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def cli_ranks(args, cwd=None) -> int | None:
+    """How many processes a `tts-lightning` command runs as, when this launcher can start them all: 1
+    for a tool (not ``ray-fit``), the trainer's ``devices`` (its ``--config`` files, then
+    ``--trainer.devices``) for a Lightning command on CPU. None otherwise: Lightning or Ray starts
+    the processes (run it in a fresh interpreter, as typed)."""
+    args = [str(a) for a in args]
+    if not args or args[0] == "ray-fit":
+        return None
+    if args[0] not in LIGHTNING_COMMANDS:
+        return 1
+    trainer: dict = {}
+    for flag, value in zip(args, args[1:]):
+        if flag == "--config":
+            config = yaml.safe_load((Path(cwd or ".") / value).read_text()) or {}
+            trainer.update(config.get("trainer") or {})
+        elif flag.startswith("--trainer.") and "." not in flag[len("--trainer.") :]:
+            trainer[flag[len("--trainer.") :]] = yaml.safe_load(value)
+    devices = trainer.get("devices", 1)
+    return devices if trainer.get("accelerator") == "cpu" and isinstance(devices, int) else None
+
+
+class Zygote:
+    """tests/zygote.py, started on first use and stopped by `close`."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+
+    def start(self) -> None:
+        """Start it (not waiting for its imports) unless it runs."""
+        if self._proc is None or self._proc.poll() is not None:
+            # Its own output (import-time noise, a crash) goes to a file, shown if it fails to start.
+            self._log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
+            self._proc = subprocess.Popen(
+                [sys.executable, str(TESTS / "zygote.py")],
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                start_new_session=True,
+            )
+            self._ready = False
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str) -> Forked:
+        self.start()
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        if not self._ready:
+            if self._proc.stdout.readline().strip() != "ready":
+                raise AssertionError(f"tests/zygote.py did not start:\n{Path(self._log.name).read_text()[-5000:]}")
+            self._ready = True
+        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": stdout, "stderr": stderr}
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        return Forked(int(self._proc.stdout.readline()), stdout + ".exit")
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+            self._log.close()
+
+
+class Zygotes:
+    """One `Zygote` per rank: ranks forked from one interpreter would share its string-hash seed, so
+    a set iterated in a different order on each rank (a classic collective mismatch) would go unseen."""
+
+    def __init__(self) -> None:
+        self._zygotes: list[Zygote] = []
+
+    def for_ranks(self, ranks: int) -> list[Zygote]:
+        """The first ``ranks`` zygotes, all started (their imports run side by side)."""
+        while len(self._zygotes) < ranks:
+            self._zygotes.append(Zygote())
+        for zygote in self._zygotes[:ranks]:
+            zygote.start()
+        return self._zygotes[:ranks]
+
+    def close(self) -> None:
+        for zygote in self._zygotes:
+            zygote.close()
+
+
+class Forked:
+    """A command the zygote forked: not our child, so its exit status comes through a file."""
+
+    def __init__(self, pid: int, exit_file: str) -> None:
+        self.pid, self._exit_file, self.returncode = pid, exit_file, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and os.path.exists(self._exit_file):
+            self.returncode = int(Path(self._exit_file).read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.1)
+        return self.returncode  # type: ignore[return-value]
+
+
+def launch(
+    argv,
+    *,
+    timeout: float,
+    cwd=None,
+    check=True,
+    pythonpath=(),
+    env=None,
+    ranks: int = 1,
+    zygotes: Zygotes | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``python <argv>`` (with ``zygotes``: ``python -m tts_lightning <argv>``, each rank forked
+    from its own zygote) as
+    ``ranks`` processes started at once, each in its own session; on timeout (a deadlock) every
+    process group is killed and the test fails. ``env`` adds variables. The outputs are joined in
+    rank order; the exit status is the first non-zero."""
+    path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    if ranks > 1:
+        cluster = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0"}
+        envs = [{**env, **cluster, "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)} for r in range(ranks)]
+    else:
+        envs = [env]
+    argv = [str(a) for a in argv]
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = [(f"{logs}/{r}.out", f"{logs}/{r}.err") for r in range(len(envs))]
+        procs: list[subprocess.Popen | Forked] = []
+        forks = zygotes.for_ranks(len(envs)) if zygotes is not None else None
+        for rank, (e, (out, err)) in enumerate(zip(envs, outputs)):
+            if forks is not None:
+                procs.append(forks[rank].fork(argv, e, cwd, out, err))
+            else:
+                with open(out, "w") as stdout, open(err, "w") as stderr:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, *argv],
+                            cwd=cwd,
+                            env=e,
+                            stdout=stdout,
+                            stderr=stderr,
+                            start_new_session=True,
+                        )
+                    )
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        stdout, stderr = ("".join(Path(o[i]).read_text() for o in outputs) for i in (0, 1))
+    if timed_out:
+        raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    if check and returncode != 0:
+        raise AssertionError(f"exit {returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

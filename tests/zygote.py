@@ -1,0 +1,98 @@
+"""A warm interpreter that forks `python -m tts_lightning ...` runs for the tests (tests/conftest.py).
+
+Every `tts-lightning` process spends ~12 s of CPU importing Lightning (with torchmetrics, transformers,
+scipy) and qwen_tts before it does anything; the multi-process tests start about sixty of them.
+This process imports those packages once, then for each request read from stdin (one JSON line:
+argv, env, cwd, stdout and stderr paths) forks a child that becomes that command: its own session,
+environment, working folder and output files, then ``runpy`` runs ``tts_lightning`` as ``-m`` does.
+The project's own modules are imported by the child, not here. When a child ends, its exit status is
+written to ``<stdout path>.exit``; its pid is answered on stdout.
+
+The tests fork each rank from a zygote of its own (tests/launcher.py): Python's string hashing is
+seeded per interpreter, and ranks that iterate a set in different orders must stay visible.
+
+Only for commands whose processes are all started from outside (the tools, and Lightning commands
+whose ranks are given ``LOCAL_RANK`` as torchrun does): Lightning's own launcher re-runs
+``sys.argv`` and Ray starts workers of its own, so those run in fresh interpreters."""
+
+import atexit
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+from contextlib import redirect_stdout
+
+with redirect_stdout(sys.stderr):  # stdout answers the test: import-time prints go to stderr
+    import lightning.pytorch  # noqa: F401  (the imports this process exists for)
+    import qwen_tts  # noqa: F401
+    import torch  # noqa: F401
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
+children: dict[int, str] = {}  # pid -> its exit file
+
+
+def reap(signum, frame) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = children.pop(pid, None)
+        if path is not None:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)  # the test polls for this file: it must appear whole
+
+
+def become(request: dict) -> None:
+    """In the forked child: turn into ``python -m tts_lightning <argv>`` and exit with its status."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command reaps its own children
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    os.setsid()  # the test kills the whole group on a timeout
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Lightning set this when it was imported, from the environment this process had then.
+    rank_zero_only.rank = _get_rank() or 0
+    sys.argv = ["tts_lightning", *request["argv"]]
+    code = 1
+    try:
+        runpy.run_module("tts_lightning", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        # Python's exit, less the C library's: the imported packages' C++ thread pools (created
+        # here, before the fork) would be joined by their destructors and hang the child forever.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    signal.signal(signal.SIGCHLD, reap)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # record the pid before reaping it
+        pid = os.fork()
+        if pid == 0:
+            become(request)
+        children[pid] = request["stdout"] + ".exit"
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        print(pid, flush=True)
+
+
+if __name__ == "__main__":
+    main()
