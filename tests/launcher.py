@@ -5,8 +5,8 @@ and `run_script` fixtures of conftest.py).
   torchrun or a cluster scheduler does (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``),
   instead of Lightning's launcher starting rank 1 only when rank 0 reaches ``fit``.
 - Those ranks and the tools are forked from warm interpreters (tests/zygote.py, one per rank) that
-  have already imported Lightning and qwen_tts: ~12 s of CPU saved per process. ``ray-fit`` (Ray starts its own
-  workers) and scripts start fresh interpreters.
+  have already imported Lightning and qwen_tts: ~12 s of CPU saved per process. ``ray-fit`` (Ray
+  starts its own workers) and scripts start fresh interpreters.
 The README and demo tests start nothing through here: they run the commands as a user types them,
 with Lightning's own launcher."""
 
@@ -144,10 +144,9 @@ def launch(
     zygotes: Zygotes | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python <argv>`` (with ``zygotes``: ``python -m tts_lightning <argv>``, each rank forked
-    from its own zygote) as
-    ``ranks`` processes started at once, each in its own session; on timeout (a deadlock) every
-    process group is killed and the test fails. ``env`` adds variables. The outputs are joined in
-    rank order; the exit status is the first non-zero."""
+    from its own zygote) as ``ranks`` processes started at once, each in its own session; on
+    timeout (a deadlock) every process group is killed and the test fails. ``env`` adds variables.
+    The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
     if ranks > 1:
@@ -185,8 +184,11 @@ def launch(
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
+        for proc in procs:  # killed ones end at once (bounded: a dead zygote writes no exit file)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                timed_out = True
         stdout, stderr = ("".join(Path(o[i]).read_text() for o in outputs) for i in (0, 1))
     if timed_out:
         raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")

@@ -1,7 +1,7 @@
 """A warm interpreter that forks `python -m tts_lightning ...` runs for the tests (tests/conftest.py).
 
 Every `tts-lightning` process spends ~12 s of CPU importing Lightning (with torchmetrics, transformers,
-scipy) and qwen_tts before it does anything; the multi-process tests start about sixty of them.
+scipy) and qwen_tts before it does anything, and the multi-process tests start dozens of them.
 This process imports those packages once, then for each request read from stdin (one JSON line:
 argv, env, cwd, stdout and stderr paths) forks a child that becomes that command: its own session,
 environment, working folder and output files, then ``runpy`` runs ``tts_lightning`` as ``-m`` does.
@@ -49,22 +49,23 @@ def reap(signum, frame) -> None:
 
 
 def become(request: dict) -> None:
-    """In the forked child: turn into ``python -m tts_lightning <argv>`` and exit with its status."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command reaps its own children
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-    os.setsid()  # the test kills the whole group on a timeout
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    # Lightning set this when it was imported, from the environment this process had then.
-    rank_zero_only.rank = _get_rank() or 0
-    sys.argv = ["tts_lightning", *request["argv"]]
+    """In the forked child: turn into ``python -m tts_lightning <argv>`` and exit with its status
+    (never return: the child must not go on serving requests)."""
     code = 1
     try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command reaps its own children
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.setsid()  # the test kills the whole group on a timeout
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        # Lightning set this when it was imported, from the environment this process had then.
+        rank_zero_only.rank = _get_rank() or 0
+        sys.argv = ["tts_lightning", *request["argv"]]
         runpy.run_module("tts_lightning", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
