@@ -454,11 +454,12 @@ class DataPreparer:
         """
         config = self.settings.validation_config()
         files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
-        part = self._checks_part(files, rank, world)
+        parts = self._checks_parts(files, world)  # one name per rank, from one stat of every file
+        part = parts[rank]
         if files:
             atomic_write_json(part, [[str(f), asdict(check_file(f, config))] for f in files[rank::world]])
         barrier("tts_lightning.prepare.checked")
-        plan = self.plan(checks=self._gather_checks(files, world, config)) if finisher else None
+        plan = self.plan(checks=self._gather_checks(files, parts, config)) if finisher else None
         barrier("tts_lightning.prepare.validated")
         part.unlink(missing_ok=True)  # every finishing rank has read it
         if plan is None:
@@ -491,21 +492,21 @@ class DataPreparer:
                 files.update((f, (_file_stamp(f) or [0])[0]) for f in files_to_check(manifest.records))
         return sorted(files, key=lambda f: (files[f], str(f)))
 
-    def _checks_part(self, files: list[Path], rank: int, world: int) -> Path:
-        """Where ``rank`` leaves its checks of ``files``: named by the files (with their size and
+    def _checks_parts(self, files: list[Path], world: int) -> list[Path]:
+        """Where each rank leaves its checks of ``files``: named by the files (with their size and
         modification time) and the settings, so a part an interrupted run left is never taken."""
         h = hashlib.sha256(json.dumps(asdict(self.settings.validation_config())).encode())
         for f in files:
             h.update(repr((str(f), _file_stamp(f))).encode())
-        return self.cache_dir / "validation" / "parts" / f"{h.hexdigest()[:16]}-{rank}-of-{world}.json"
+        folder = self.cache_dir / "validation" / "parts"
+        return [folder / f"{h.hexdigest()[:16]}-{rank}-of-{world}.json" for rank in range(world)]
 
-    def _gather_checks(self, files: list[Path], world: int, config: ValidationConfig) -> dict[Path, FileCheck]:
+    def _gather_checks(self, files: list[Path], parts: list[Path], config: ValidationConfig) -> dict[Path, FileCheck]:
         """Every rank's checks of ``files``; a share whose part this rank cannot read (another
         node's disk) is checked here."""
         checks: dict[Path, FileCheck] = {}
-        for r in range(world):
-            share = files[r::world]
-            path = self._checks_part(files, r, world)
+        for r, path in enumerate(parts):
+            share = files[r :: len(parts)]
             found: dict[Path, FileCheck] = {}
             if share and path.is_file():
                 try:
