@@ -31,6 +31,7 @@ import os
 import random
 import resource
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -400,7 +401,7 @@ def report_pair(pair: list[dict]) -> float:
             count, ms = pair[0]["profiled"][mode].get(key, [0, 0.0])
             cells.append(f"{LABELS[mode]} {count:3d} {ms:8.1f} ms")
         print(f"  {label:40} " + "   ".join(cells))
-    return ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]) / 2
+    return statistics.median(ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
