@@ -444,7 +444,8 @@ class DataPreparer:
 
         1. Validation: each rank checks its share of the audio files (`check_file`, into
            ``validation/parts/``); the finishing rank validates with those results (the report of
-           one process), writes the memo and report.json, and shows the report.
+           one process), writes the memo and report.json, shows the report, and removes the parts
+           an interrupted run left (other files or another world size).
         2. Encoding: each rank encodes its share of the clips (sorted by duration, so the shares
            are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
            rank completes both and writes the index.
@@ -462,6 +463,9 @@ class DataPreparer:
         plan = self.plan(checks=self._gather_checks(files, parts, config)) if finisher else None
         barrier("tts_lightning.prepare.validated")
         part.unlink(missing_ok=True)  # every finishing rank has read it
+        if finisher:  # parts an interrupted run left under other names (other files or world size)
+            for stale in set(part.parent.glob("*.json")) - set(parts):
+                stale.unlink(missing_ok=True)
         if plan is None:
             plan = self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
 
