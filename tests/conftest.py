@@ -83,39 +83,46 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def run_script():
-    """run_script(script, *args, timeout, cwd=None) -> output: a script in a process of its own
-    (tests/launcher.py)."""
+def zygotes():
+    """The warm interpreters the session's commands and scripts are forked from (tests/launcher.py)."""
+    from launcher import Zygotes
+
+    warm = Zygotes()
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="session")
+def run_script(zygotes):
+    """run_script(script, *args, timeout, cwd=None, ranks=1, check=True) -> CompletedProcess: a
+    script (or ``"-m", module`` or ``"-c", code``, as the interpreter takes them) as ``ranks``
+    processes of its own (tests/launcher.py), forked from warm interpreters."""
     from launcher import launch
 
-    def run(script, *args, timeout: float, cwd=None) -> str:
-        proc = launch([script, *args], timeout=timeout, cwd=cwd)
-        return proc.stdout + proc.stderr
+    def run(script, *args, timeout: float, cwd=None, ranks: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+        return launch([script, *args], timeout=timeout, cwd=cwd, check=check, ranks=ranks, zygotes=zygotes)
 
     return run
 
 
 @pytest.fixture(scope="session")
-def run_cli():
+def run_cli(zygotes):
     """run_cli(*args, cwd, timeout=900, check=True, pythonpath=(), env=None) -> CompletedProcess: the
     `tts-lightning` command, as many processes as it runs on, started by tests/launcher.py (forked
     from a warm interpreter where it can be); ``pythonpath`` adds folders (e.g. the test's own, for
     callbacks named in ``--trainer.callbacks``); ``env`` adds environment variables."""
-    from launcher import Zygotes, cli_ranks, launch
-
-    zygotes = Zygotes()
+    from launcher import cli_ranks, launch
 
     def run(
         *args, cwd, timeout: float = 900, check: bool = True, pythonpath=(), env=None
     ) -> subprocess.CompletedProcess:
         kwargs = dict(timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath, env=env)
         ranks = cli_ranks(args, cwd)
-        if ranks is None:  # Lightning or Ray starts the other processes: a fresh interpreter, as typed
+        if ranks is None:  # Lightning starts the other processes: a fresh interpreter, as typed
             return launch(["-m", "tts_lightning", *args], **kwargs)
-        return launch(list(args), ranks=ranks, zygotes=zygotes, **kwargs)
+        return launch(["-m", "tts_lightning", *args], ranks=ranks, zygotes=zygotes, **kwargs)
 
-    yield run
-    zygotes.close()
+    return run
 
 
 def make_demo_commands() -> list[str]:

@@ -4,11 +4,12 @@ and `run_script` fixtures of conftest.py).
 - A Lightning command on several CPU processes starts them all at once, each told its rank as
   torchrun or a cluster scheduler does (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``),
   instead of Lightning's launcher starting rank 1 only when rank 0 reaches ``fit``.
-- Those ranks and the tools are forked from warm interpreters (tests/zygote.py, one per rank) that
-  have already imported Lightning and qwen_tts: ~12 s of CPU saved per process. ``ray-fit`` (Ray
-  starts its own workers) and scripts start fresh interpreters.
-The README and demo tests start nothing through here: they run the commands as a user types them,
-with Lightning's own launcher."""
+- Those ranks, the tools, ``ray-fit``'s driver and scripts are forked from warm interpreters
+  (tests/zygote.py, one per rank) that have already imported Lightning and qwen_tts: ~12 s of CPU
+  saved per process. Ray starts its workers itself, in fresh interpreters.
+`make demo`'s commands (tests/conftest.py, `demo_workspace`) run as a user types them, in fresh
+interpreters, with Lightning's own launcher.
+"""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 def cli_ranks(args, cwd=None) -> int | None:
     """How many processes a `tts-lightning` command runs as, when this launcher can start them all: 1
-    for a tool (not ``ray-fit``), the trainer's ``devices`` (its ``--config`` files, then
-    ``--trainer.devices``) for a Lightning command on CPU. None otherwise: Lightning or Ray starts
-    the processes (run it in a fresh interpreter, as typed)."""
+    for a tool or ``ray-fit`` (its driver; Ray starts the workers), the trainer's ``devices`` (its
+    ``--config`` files, then ``--trainer.devices``) for a Lightning command on CPU. None otherwise:
+    Lightning starts the processes (run it in a fresh interpreter, as typed)."""
     args = [str(a) for a in args]
-    if not args or args[0] == "ray-fit":
+    if not args:
         return None
     if args[0] not in LIGHTNING_COMMANDS:
         return 1
@@ -143,8 +144,8 @@ def launch(
     ranks: int = 1,
     zygotes: Zygotes | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``python <argv>`` (with ``zygotes``: ``python -m tts_lightning <argv>``, each rank forked
-    from its own zygote) as ``ranks`` processes started at once, each in its own session; on
+    """Run ``python <argv>`` (with ``zygotes``: each rank forked from its own zygote) as ``ranks``
+    processes started at once, each in its own session; on
     timeout (a deadlock) every process group is killed and the test fails. ``env`` adds variables.
     The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])

@@ -32,21 +32,6 @@ NOISE = (
 )
 
 
-def run(args: list[str], cwd: Path, timeout: int = 600) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{args}\n{proc.stdout[-6000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def workspace(demo_workspace) -> Path:
     """The scratch folder laid out like the repository where `make demo`'s commands ran (the
@@ -83,29 +68,29 @@ def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outp
     assert "runs/tiny-cpu/hello_alice.wav" in outputs["synthesize"]
 
 
-def test_fit_without_checkpointing_writes_no_checkpoint(workspace):
-    out = run(
-        [
-            "fit",
-            "--config",
-            "configs/tiny-cpu.yaml",
-            "--data.pretrained",
-            "runs/tiny-model",
-            "--trainer.devices",  # one process: what is printed does not depend on the rank count
-            "1",
-            "--trainer.max_steps",
-            "2",
-            "--trainer.val_check_interval",
-            "2",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.default_root_dir",
-            "runs/no-ckpt",
-            "--trainer.logger.init_args.save_dir",
-            "runs/no-ckpt",
-        ],
-        workspace,
+def test_fit_without_checkpointing_writes_no_checkpoint(workspace, run_cli):
+    proc = run_cli(
+        "fit",
+        "--config",
+        "configs/tiny-cpu.yaml",
+        "--data.pretrained",
+        "runs/tiny-model",
+        "--trainer.devices",  # one process: what is printed does not depend on the rank count
+        "1",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.default_root_dir",
+        "runs/no-ckpt",
+        "--trainer.logger.init_args.save_dir",
+        "runs/no-ckpt",
+        cwd=workspace,
+        timeout=600,
     )
+    out = proc.stdout + proc.stderr
     assert "checkpoints: none (checkpointing is off)" in out and "step 2/2" in out
     assert not list((workspace / "runs" / "no-ckpt").rglob("*.ckpt"))
     assert not (workspace / "runs" / "no-ckpt" / "checkpoints").exists()
@@ -146,7 +131,7 @@ def test_the_installed_filters_silence_qwen_tts_import_alone():
     assert proc.stdout == "imported Qwen3TTSModel\n" and proc.stderr == ""
 
 
-def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_path):
+def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_path, run_cli):
     """The exported folder does not fit on a 1 MiB file system: one line naming the folder and the
     free space, no traceback, nothing left on that file system."""
     fs = tmp_path / "small"
@@ -156,24 +141,10 @@ def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_p
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {exc}")
     try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tts_lightning",
-                "export",
-                "--dtype",
-                "fp32",
-                "--ckpt",
-                "runs/tiny-cpu/checkpoints/last.ckpt",
-                "--out",
-                str(fs / "voice"),
-            ],
+        proc = run_cli(
+            *("export", "--dtype", "fp32", "--ckpt", "runs/tiny-cpu/checkpoints/last.ckpt", "--out", fs / "voice"),
             cwd=workspace,
-            env=env,
-            capture_output=True,
-            text=True,
+            check=False,
             timeout=300,
         )
         assert proc.returncode == 1, proc.stdout + proc.stderr

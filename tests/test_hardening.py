@@ -183,42 +183,34 @@ def test_torch_and_safetensors_writers_on_a_full_disk(small_fs):
 
 
 @pytest.mark.slow
-def test_fit_on_a_full_cache_disk_ends_with_the_error_alone(small_fs, tiny_dir, tmp_path):
+def test_fit_on_a_full_cache_disk_ends_with_the_error_alone(small_fs, tiny_dir, tmp_path, run_cli):
     """`fit` on 2 FSDP processes whose codec cache fills its disk: each process prints the one-line
     error (no traceback), the run exits 1 and leaves no partial file."""
     import shutil
-    import sys
 
     from tts_lightning.data.demo import demo_dir
 
     repo = Path(__file__).resolve().parents[1]
     shutil.copytree(demo_dir(), tmp_path / "demo")
     cache = small_fs("48k") / "cache"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tts_lightning",
-            "fit",
-            "--config",
-            str(repo / "configs" / "tiny-cpu.yaml"),
-            "--data.pretrained",
-            str(tiny_dir),
-            "--data.train_manifest",
-            str(tmp_path / "demo" / "train.jsonl"),
-            "--data.cache_dir",
-            str(cache),
-            "--trainer.max_steps",
-            "2",
-            "--trainer.default_root_dir",
-            str(tmp_path / "run"),
-            "--trainer.logger.init_args.save_dir",
-            str(tmp_path / "run"),
-        ],
+    proc = run_cli(
+        "fit",
+        "--config",
+        repo / "configs" / "tiny-cpu.yaml",
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        tmp_path / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        cache,
+        "--trainer.max_steps",
+        2,
+        "--trainer.default_root_dir",
+        tmp_path / "run",
+        "--trainer.logger.init_args.save_dir",
+        tmp_path / "run",
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
+        check=False,
         timeout=600,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,17 +1,14 @@
 """The README cannot drift from the code: `make demo`'s commands and every command and Python
 snippet in the README's code blocks run here, in order, in a scratch workspace laid out like the
 repository (configs/ and the demo clips), on the tiny model. `make demo`'s commands run once per
-session, in the `demo_workspace` fixture (tests/conftest.py) that tests/test_console.py shares.
-Commands that start processes of their own (fit, predict, ray-fit) run as typed; runs of other
-commands (plan, export, ...) share one process through the `tts-lightning` entry point
-(tests/readme_runner.py), which saves an interpreter start and the imports per command."""
+session, as typed (fresh interpreters, Lightning's own launcher for the 2-rank fit), in the
+`demo_workspace` fixture (tests/conftest.py) that tests/test_console.py shares. The README's
+commands and snippets then run through the tests' launcher (tests/launcher.py): the same argv and
+entry point, every rank started at once as torchrun would, forked from warm interpreters."""
 
-import json
-import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +16,6 @@ import pytest
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-CLI = f"{shlex.quote(sys.executable)} -m tts_lightning"
-RUNNER = Path(__file__).with_name("readme_runner.py")
-MARKER = "@@readme-runner "
-# Commands that start other processes from their own command line (Lightning re-runs it for each
-# rank; Ray starts workers): each runs alone, as typed. The other commands (the tools) run in
-# groups of consecutive ones, one process per group (tests/readme_runner.py).
-ALONE = ("fit", "validate", "test", "predict", "ray-fit")
 
 
 def code_blocks(language):
@@ -47,14 +37,6 @@ def demo_commands():
     printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
     return [line for line in lines if "bin/tts-lightning " in line]
-
-
-def run(command, cwd, check=True):
-    command = re.sub(r"^(OMP_NUM_THREADS=1 )?\S*bin/tts-lightning ", f"OMP_NUM_THREADS=1 {CLI} ", command)
-    command = re.sub(r"^tts-lightning ", f"OMP_NUM_THREADS=1 {CLI} ", command)
-    proc = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=900)
-    assert not check or proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -79,67 +61,15 @@ def test_make_demo_commands(demo_workspace):
     assert (workspace / "runs" / "tiny-cpu" / "hello_alice.wav").is_file()
 
 
-def command_groups(commands):
-    """The commands in README order, consecutive tools grouped: [(alone, [command, ...]), ...]."""
-    groups: list[tuple[bool, list[str]]] = []
-    for command in commands:
-        alone = shlex.split(command)[1] in ALONE
-        if alone or not groups or groups[-1][0]:
-            groups.append((alone, [command]))
-        else:
-            groups[-1][1].append(command)
-    return groups
-
-
-def run_group(commands, cwd):
-    """Run tools in one process, in order, through the entry point of the `tts-lightning` script:
-    {command: (exit status, its output)}; a command after a crash of the process gets status None."""
-    argvs = [shlex.split(command)[1:] for command in commands]
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), json.dumps(argvs)],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=900,
-    )
-    results, output = {}, ""
-    pending = iter(commands)
-    for line in proc.stdout.splitlines(keepends=True):
-        if line.startswith(MARKER):
-            results[next(pending)] = (json.loads(line[len(MARKER) :])["code"], output)
-            output = ""
-        else:
-            output += line
-    for command in pending:
-        results[command] = (None, f"{output}\n(the runner exited with {proc.returncode} before this command)")
-    return results
-
-
 @pytest.fixture(scope="module")
-def readme_runs(workspace):
+def readme_runs(workspace, run_cli):
     """Every command of the README's code blocks, run once, in README order, in the workspace where
     `make demo` ran: {command: (exit status, output)}."""
     results = {}
-    for alone, commands in command_groups(readme_commands()):
-        if alone:
-            proc = run(commands[0], workspace, check=False)
-            results[commands[0]] = (proc.returncode, proc.stdout + proc.stderr)
-        else:
-            results.update(run_group(commands, workspace))
+    for command in readme_commands():
+        proc = run_cli(*shlex.split(command)[1:], cwd=workspace, check=False)
+        results[command] = (proc.returncode, proc.stdout + proc.stderr)
     return results
-
-
-def test_tools_are_grouped_and_process_starting_commands_run_alone():
-    groups = command_groups(readme_commands())
-    assert [c for _, group in groups for c in group] == readme_commands()  # all of them, in order
-    assert any(len(group) > 1 for _, group in groups)
-    for alone, group in groups:
-        if alone:
-            assert len(group) == 1 and shlex.split(group[0])[1] in ALONE
-        else:
-            assert all(shlex.split(c)[1] not in ALONE for c in group)
 
 
 @pytest.mark.parametrize("command", readme_commands())
@@ -149,7 +79,7 @@ def test_readme_command(readme_runs, command):
 
 
 @pytest.mark.parametrize("index", range(len(code_blocks("python"))))
-def test_readme_python_block(readme_runs, workspace, index):  # after the commands (block 1 reads my-voice)
+def test_readme_python_block(readme_runs, workspace, run_script, index):  # after the commands (block 1 reads my-voice)
     script = workspace / f"readme_block_{index}.py"
     script.write_text(code_blocks("python")[index])
-    run(f"OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} {script.name}", workspace)
+    run_script(script.name, timeout=900, cwd=workspace)

@@ -1,19 +1,24 @@
-"""A warm interpreter that forks `python -m tts_lightning ...` runs for the tests (tests/conftest.py).
+"""A warm interpreter that forks `python ...` runs for the tests (tests/launcher.py): `tts-lightning`
+commands (``-m tts_lightning ...``), other modules, ``-c`` code and scripts.
 
 Every `tts-lightning` process spends ~12 s of CPU importing Lightning (with torchmetrics, transformers,
 scipy) and qwen_tts before it does anything, and the multi-process tests start dozens of them.
 This process imports those packages once, then for each request read from stdin (one JSON line:
-argv, env, cwd, stdout and stderr paths) forks a child that becomes that command: its own session,
-environment, working folder and output files, then ``runpy`` runs ``tts_lightning`` as ``-m`` does.
-The project's own modules are imported by the child, not here. When a child ends, its exit status is
-written to ``<stdout path>.exit``; its pid is answered on stdout.
+the interpreter's argv, env, cwd, stdout and stderr paths) forks a child that becomes that command:
+its own session, environment, working folder and output files, then ``runpy`` runs the module
+(``-m``) or the script as the interpreter would. The project's own modules are imported by the
+child, not here. When a child ends, its exit status is written to ``<stdout path>.exit``; its pid
+is answered on stdout.
 
 The tests fork each rank from a zygote of its own (tests/launcher.py): Python's string hashing is
 seeded per interpreter, and ranks that iterate a set in different orders must stay visible.
 
-Only for commands whose processes are all started from outside (the tools, and Lightning commands
-whose ranks are given ``LOCAL_RANK`` as torchrun does): Lightning's own launcher re-runs
-``sys.argv`` and Ray starts workers of its own, so those run in fresh interpreters."""
+Only for commands whose processes are all started from outside: the tools, `ray-fit`'s driver (Ray
+starts its workers in fresh interpreters), and Lightning commands whose ranks are given
+``LOCAL_RANK`` as torchrun does. Lightning's own launcher re-runs ``sys.argv``, so a command that
+relies on it runs in a fresh interpreter. What these imports print goes to the zygote's log: a test
+of import-time output starts a fresh interpreter of its own.
+"""
 
 import atexit
 import json
@@ -48,9 +53,27 @@ def reap(signum, frame) -> None:
             os.replace(path + ".tmp", path)  # the test polls for this file: it must appear whole
 
 
+def run(argv: list[str]) -> None:
+    """``python <argv>``, in this process: ``-m module args``, ``-c code args`` or ``script args``."""
+    # sys.path[0] is this file's folder: the interpreter puts the working folder (-m), "" (-c) or
+    # the script's folder there, then PYTHONPATH.
+    first = {"-m": os.getcwd(), "-c": ""}.get(argv[0])
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0])) if first is None else first
+    sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file in sys.argv[0]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
 def become(request: dict) -> None:
-    """In the forked child: turn into ``python -m tts_lightning <argv>`` and exit with its status
-    (never return: the child must not go on serving requests)."""
+    """In the forked child: turn into ``python <argv>`` and exit with its status (never return: the
+    child must not go on serving requests)."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the command reaps its own children
@@ -62,11 +85,9 @@ def become(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         # Lightning set this when it was imported, from the environment this process had then.
         rank_zero_only.rank = _get_rank() or 0
-        sys.argv = ["tts_lightning", *request["argv"]]
-        runpy.run_module("tts_lightning", run_name="__main__", alter_sys=True)
+        run(request["argv"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -1,5 +1,6 @@
-"""Run by tests/distributed/test_real_size_paths.py: `validate` with 2 FSDP ranks (Lightning spawns
-the second), and, once the strategy has set the model up, checks on every rank:
+"""Run by tests/distributed/test_real_size_paths.py: `validate` with 2 FSDP ranks (started side by
+side by the test, as torchrun would; run alone, Lightning starts the second), and, once the
+strategy has set the model up, checks on every rank:
 
 - weights: the meta-built model materialized unit by unit (read on rank 0, broadcast) equals,
   bit for bit, the model loaded the old way (random init + load_state_dict of the whole file);

@@ -1,11 +1,6 @@
 """Export the seeded 2-rank FSDP fine-tuning of the two demo speakers from its sharded and from a
 consolidated full checkpoint, and speak with the result through the official `qwen_tts.Qwen3TTSModel`."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,32 +10,17 @@ from tts_lightning.model.checkpoint import CheckpointError, load_training_checkp
 from tts_lightning.model.export import ExportError, export_custom_voice
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, fsdp1_reference):
+def checkpoints(tmp_path_factory, fsdp1_reference, run_script):
     """The sharded `last.ckpt` of the session's seeded 2-rank FSDP1 run (conftest.py of this folder)
     and its consolidation into one full checkpoint by Lightning's own tool."""
     root = tmp_path_factory.mktemp("export")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     sharded = newest_last(fsdp1_reference[0])
     assert sharded.is_dir() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
     full = root / "full.ckpt"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning.pytorch.utilities.consolidate_checkpoint",
-            str(sharded),
-            "--output_file",
-            str(full),
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    run_script("-m", "lightning.pytorch.utilities.consolidate_checkpoint", sharded, "--output_file", full, timeout=300)
     return root, sharded, full
 
 
@@ -91,7 +71,7 @@ def test_clashing_name_is_refused_and_leaves_nothing(checkpoints, tiny_custom_vo
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [clashing]
 
 
-def test_missing_and_corrupt_checkpoints(tmp_path):
+def test_missing_and_corrupt_checkpoints(tmp_path, run_cli):
     with pytest.raises(CheckpointError, match="does not exist"):
         export_custom_voice(tmp_path / "nope.ckpt", tmp_path / "out")
     corrupt = tmp_path / "corrupt.ckpt"
@@ -99,12 +79,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read checkpoint"):
         export_custom_voice(corrupt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", "export", "--ckpt", str(corrupt), "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    proc = run_cli("export", "--ckpt", corrupt, "--out", tmp_path / "out", cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 1 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
 
 

@@ -27,8 +27,9 @@ needs_ray = pytest.mark.skipif(ray_cli.ray_missing() is not None, reason="needs 
 
 
 def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), config=CONFIG, timeout=900):
-    """`tts-lightning ray-fit` in a fresh process (its own local Ray cluster), as a user would run it,
-    through the shared launcher (tests/conftest.py): on a timeout its whole process group is killed.
+    """`tts-lightning ray-fit` in a process of its own (its own local Ray cluster; Ray starts the
+    workers), through the shared launcher (tests/conftest.py): on a timeout its whole process group
+    is killed.
     The output is also kept in ``<workdir>/<run>.log``."""
     extra_config = workdir / f"{run}.yaml"
     extra_config.write_text(json.dumps({"trainer": {"callbacks": list(callbacks)}}))  # JSON is YAML

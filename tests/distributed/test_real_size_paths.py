@@ -19,7 +19,7 @@ HERE = Path(__file__).parent
 def setup_results(tmp_path_factory, tiny_dir, demo_data, run_script):
     _, manifest, cache = demo_data
     out = tmp_path_factory.mktemp("setup-checks")
-    run_script(HERE / "setup_worker.py", tiny_dir, manifest, cache, out, timeout=240, cwd=out)
+    run_script(HERE / "setup_worker.py", tiny_dir, manifest, cache, out, timeout=240, cwd=out, ranks=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

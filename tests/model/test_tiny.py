@@ -3,8 +3,6 @@
 import hashlib
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -106,13 +104,13 @@ def test_custom_voice_generates(tiny_custom_voice_dir):
 
 
 @pytest.mark.slow  # multi-process or a model build: about a minute
-def test_same_seed_same_bytes_other_seed_other_weights(tiny_dir, tmp_path):
+def test_same_seed_same_bytes_other_seed_other_weights(tiny_dir, tmp_path, run_script):
     # A separate process, so nothing cached in this one can make the bytes agree.
     code = (
         "import sys; from tts_lightning import build_tiny_pretrained; "
         "build_tiny_pretrained(sys.argv[1], seed=int(sys.argv[2]))"
     )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "again"), "0"], check=True)
+    run_script("-c", code, tmp_path / "again", 0, timeout=300)
     assert _digests(tmp_path / "again") == _digests(tiny_dir)
     other = build_tiny_pretrained(tmp_path / "other", seed=1)
     a, b = _digests(tiny_dir), _digests(other)
@@ -129,12 +127,7 @@ def test_second_call_reuses_directory(tiny_dir):
 
 
 @pytest.mark.slow  # multi-process or a model build: about a minute
-def test_cli_builds(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "tts_lightning", "tiny-model", str(tmp_path / "m"), "--seed", "3"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+def test_cli_builds(tmp_path, run_cli):
+    out = run_cli("tiny-model", tmp_path / "m", "--seed", 3, cwd=tmp_path, timeout=300).stdout
     assert out.strip().endswith(str(tmp_path / "m"))
     assert (tmp_path / "m" / "speech_tokenizer" / "model.safetensors").is_file()
