@@ -145,8 +145,8 @@ def launch(
     zygotes: Zygotes | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python <argv>`` (with ``zygotes``: each rank forked from its own zygote) as ``ranks``
-    processes started at once, each in its own session; on
-    timeout (a deadlock) every process group is killed and the test fails. ``env`` adds variables.
+    processes started at once, each in its own session; on timeout (a deadlock) every process
+    group is killed and the test fails. ``env`` adds variables.
     The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}

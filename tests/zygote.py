@@ -5,8 +5,8 @@ Every `tts-lightning` process spends ~12 s of CPU importing Lightning (with torc
 scipy) and qwen_tts before it does anything, and the multi-process tests start dozens of them.
 This process imports those packages once, then for each request read from stdin (one JSON line:
 the interpreter's argv, env, cwd, stdout and stderr paths) forks a child that becomes that command:
-its own session, environment, working folder and output files, then ``runpy`` runs the module
-(``-m``) or the script as the interpreter would. The project's own modules are imported by the
+its own session, environment, working folder and output files, then runs the module (``-m``), the
+code (``-c``) or the script as the interpreter would. The project's own modules are imported by the
 child, not here. When a child ends, its exit status is written to ``<stdout path>.exit``; its pid
 is answered on stdout.
 
