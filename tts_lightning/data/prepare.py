@@ -473,8 +473,8 @@ class DataPreparer:
         self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
         self.embed(plan, plan.speakers[rank::world])
         barrier("tts_lightning.prepare.encoded")
-        if finisher:  # each rank verified its share before encoding it: only what this rank cannot see
-            self.encode(plan.clips, device=device, verify=False)
+        if finisher:  # verifies every file: a node-local disk may hold another node's share from an older run
+            self.encode(plan.clips, device=device)
             self.write_index(plan)
         barrier("tts_lightning.prepare.indexed")
 
@@ -632,15 +632,11 @@ class DataPreparer:
             device=device or s.prepare_device,
         )
 
-    def encode(
-        self, clips: list[AcceptedClip], *, device: str | None = None, log: str = "", verify: bool = True
-    ) -> int:
-        """Encode the codes of ``clips`` that are not cached yet; return how many were encoded.
-        ``verify=False`` trusts the cached files (checked already in this run)."""
+    def encode(self, clips: list[AcceptedClip], *, device: str | None = None, log: str = "") -> int:
+        """Encode the codes of ``clips`` that are not cached yet; return how many were encoded."""
         cache = self.codec_cache(device)
         progress = EncodeProgress(f"{log}encoded")
-        if verify:  # a truncated or malformed cache file is removed (warning) and encoded again
-            cache.verify(clips)
+        cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
         encoded = cache.encode_missing(clips, batch_size=self.settings.encode_batch_size, progress=progress)
         cache.release()
         rank_zero_info(
