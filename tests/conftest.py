@@ -94,13 +94,15 @@ def zygotes():
 
 @pytest.fixture(scope="session")
 def run_script(zygotes):
-    """run_script(script, *args, timeout, cwd=None, ranks=1, check=True) -> CompletedProcess: a
-    script (or ``"-m", module`` or ``"-c", code``, as the interpreter takes them) as ``ranks``
-    processes of its own (tests/launcher.py), forked from warm interpreters."""
+    """run_script(script, *args, timeout, cwd=None, ranks=1, check=True, env=None) -> CompletedProcess:
+    a script (or ``"-m", module`` or ``"-c", code``, as the interpreter takes them) as ``ranks``
+    processes of its own (tests/launcher.py), forked from warm interpreters; ``env`` adds variables."""
     from launcher import launch
 
-    def run(script, *args, timeout: float, cwd=None, ranks: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-        return launch([script, *args], timeout=timeout, cwd=cwd, check=check, ranks=ranks, zygotes=zygotes)
+    def run(
+        script, *args, timeout: float, cwd=None, ranks: int = 1, check: bool = True, env=None
+    ) -> subprocess.CompletedProcess:
+        return launch([script, *args], timeout=timeout, cwd=cwd, check=check, ranks=ranks, env=env, zygotes=zygotes)
 
     return run
 
@@ -125,15 +127,6 @@ def run_cli(zygotes):
     return run
 
 
-def make_demo_commands() -> list[str]:
-    """The `tts-lightning` commands `make demo` runs, as make prints them (the install step excluded)."""
-    import re
-
-    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
-    return [line for line in lines if "bin/tts-lightning " in line]
-
-
 # The fit of `make demo`, shortened: what the console and README tests check needs 4 steps.
 DEMO_SHORT_FIT = " --trainer.max_steps 4 --trainer.val_check_interval 2"
 
@@ -147,6 +140,8 @@ def demo_workspace(tmp_path_factory):
     import re
     import shlex
 
+    from launcher import demo_commands
+
     from tts_lightning.data.demo import demo_dir
 
     root = tmp_path_factory.mktemp("demo-workspace")
@@ -156,7 +151,7 @@ def demo_workspace(tmp_path_factory):
     (root / "tts_lightning").symlink_to(demo_dir().parent)
     cli = f"OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} -m tts_lightning "
     outputs = {}
-    for command in make_demo_commands():
+    for command in demo_commands():
         name = command.split("bin/tts-lightning ")[1].split()[0]
         command = re.sub(r"^(OMP_NUM_THREADS=1 )?\S*bin/tts-lightning ", cli, command)
         command += DEMO_SHORT_FIT if name == "fit" else ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,13 @@ import yaml
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def demo_commands() -> list[str]:
+    """The `tts-lightning` commands `make demo` runs, as make prints them (the install step excluded)."""
+    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
+    return [line for line in lines if "bin/tts-lightning " in line]
 
 
 def cli_ranks(args, cwd=None) -> int | None:

@@ -8,10 +8,10 @@ entry point, every rank started at once as torchrun would, forked from warm inte
 
 import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
+from launcher import demo_commands
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -30,13 +30,6 @@ def readme_commands():
             if line.startswith("tts-lightning "):
                 commands.append(line)
     return commands
-
-
-def demo_commands():
-    """The commands `make demo` runs, as make prints them (the install step excluded)."""
-    printed = subprocess.run(["make", "-n", "-B", "demo"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    lines = re.sub(r"\\\n\s*", " ", printed).splitlines()
-    return [line for line in lines if "bin/tts-lightning " in line]
 
 
 @pytest.fixture(scope="module")
