@@ -2,10 +2,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -321,19 +319,16 @@ def test_the_report_is_shown_once_per_fit(tiny_dir, prepared, tmp_path):
 
 
 @pytest.mark.slow  # multi-process or a model build: about a minute
-def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ranks(tiny_dir, tmp_path, monkeypatch):
+def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ranks(
+    tiny_dir, tmp_path, monkeypatch, run_script
+):
     cache = tmp_path / "user-cache"
-    env = {**os.environ, "TTS_LIGHTNING_CACHE": str(cache)}
-    script = "from tts_lightning.model.pretrained import check_pretrained; print(check_pretrained('tiny').path)"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    built = {Path(out.strip().splitlines()[-1]) for out, _ in outputs}
+    script = "from tts_lightning.model.pretrained import check_pretrained as c; print('BUILT', c('tiny').path)"
+    # Two processes started at the same moment (forked from warm interpreters), as the ranks of a run.
+    proc = run_script("-c", script, timeout=300, ranks=2, env={"TTS_LIGHTNING_CACHE": str(cache)})
+    paths = re.findall(r"^BUILT (.+)$", proc.stdout, flags=re.M)
+    assert len(paths) == 2, proc.stdout + proc.stderr
+    built = {Path(p) for p in paths}
     assert len(built) == 1 and [p.name for p in cache.iterdir()] == [next(iter(built)).name]  # no temp folder left
     (path,) = built
     files = sorted(p.relative_to(tiny_dir) for p in tiny_dir.rglob("*") if p.is_file())
