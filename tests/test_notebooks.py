@@ -9,6 +9,7 @@ Any cell error fails the test (nbclient raises ``CellExecutionError`` with the t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -40,10 +41,10 @@ def _read(name: str):
     return nbformat.read(NOTEBOOK_DIR / name, as_version=4)
 
 
-@pytest.fixture
-def kernel_env(tmp_path, monkeypatch):
-    """A ``python3`` kernelspec for sys.executable, found before any other, one thread per op."""
-    spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+def _kernel_env(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``python3`` kernelspec for sys.executable under ``root``, found before any other, one
+    thread per op."""
+    spec_dir = root / "jupyter" / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
@@ -52,12 +53,52 @@ def kernel_env(tmp_path, monkeypatch):
         "env": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"},
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "jupyter-runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    monkeypatch.setenv("JUPYTER_PATH", str(root / "jupyter"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(root / "jupyter-runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(root / "ipython"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    return tmp_path
+    return root
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    return _kernel_env(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook executed once, all at the same time, each in its own fresh kernel and empty
+    working directory (one kernel mostly runs one thread: two share the 2 cores):
+    {name: (executed notebook, working directory, seconds, the error it raised or None)}, and the
+    listing of notebooks/ from before."""
+    root = tmp_path_factory.mktemp("notebooks")
+    before = sorted(p.name for p in NOTEBOOK_DIR.iterdir())
+    notebooks, clients = {}, {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _kernel_env(root, monkeypatch)
+        for name in NOTEBOOKS:
+            workdir = root / "work" / name
+            workdir.mkdir(parents=True)
+            notebooks[name] = (_read(name), workdir)
+            clients[name] = nbclient.NotebookClient(
+                notebooks[name][0], kernel_name="python3", timeout=600, resources={"metadata": {"path": str(workdir)}}
+            )
+
+        async def execute(name):
+            start = time.monotonic()
+            try:
+                await clients[name].async_execute()  # raises CellExecutionError on the first failing cell
+                error = None
+            except Exception as exc:
+                error = exc
+            return name, time.monotonic() - start, error
+
+        async def execute_all():
+            return await asyncio.gather(*(execute(name) for name in NOTEBOOKS))
+
+        results = asyncio.run(execute_all())
+    return {name: (*notebooks[name], seconds, error) for name, seconds, error in results}, before
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -89,21 +130,12 @@ def test_kernel_runs_this_interpreter(kernel_env):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_executes(name, kernel_env):
-    workdir = kernel_env / "work"
-    workdir.mkdir()
-    nb = _read(name)
-    before = sorted(p.name for p in NOTEBOOK_DIR.iterdir())
-    client = nbclient.NotebookClient(
-        nb,
-        kernel_name="python3",
-        timeout=600,
-        resources={"metadata": {"path": str(workdir)}},
-    )
-    start = time.monotonic()
-    client.execute()  # raises CellExecutionError on the first failing cell
-    elapsed = time.monotonic() - start
-    print(f"{name}: executed in {elapsed:.1f} s")
+def test_notebook_executes(name, executed):
+    runs, before = executed
+    nb, workdir, seconds, error = runs[name]
+    print(f"{name}: executed in {seconds:.1f} s")
+    if error is not None:
+        raise error
 
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
