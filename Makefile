@@ -5,9 +5,13 @@ BIN    := $(VENV)/bin
 
 .PHONY: demo test test-fast lint install clean
 
+# The last step imports librosa's feature functions once: numba compiles librosa's kernels (~30 s on
+# 2 cores; speaker similarity uses them) on their first import and caches them in the environment,
+# so the first run that scores speech does not pay it.
 $(BIN)/tts-lightning: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e '.[dev,ray,eval]'
+	$(BIN)/python -c "import librosa; librosa.feature.melspectrogram"
 	touch $@
 
 install: $(BIN)/tts-lightning
