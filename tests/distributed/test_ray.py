@@ -1,7 +1,8 @@
-"""`tts-lightning ray-fit` on a local Ray cluster (CPU, 2 workers, tiny model): a straight FSDP1 fit
-exported for qwen_tts, a worker crash under FSDP2 resumed from the last reported checkpoint (ending
-with the straight run's weights), and the same crash without retries failing cleanly with its
-checkpoint intact."""
+"""`tts-lightning ray-fit` on a local Ray cluster (CPU, 2 workers, tiny model): a worker crash under
+FSDP2 resumed from the last reported checkpoint, ending with the weights of the uninterrupted run
+(`fsdp1_reference`, a plain `fit` of the same config and data, tests/distributed/conftest.py); and
+the same crash under FSDP1 without retries failing cleanly, its checkpoint intact and exported for
+qwen_tts."""
 
 import json
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_runs import data_args
+from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, data_args, newest_last
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.distributed import ray_cli
@@ -23,6 +24,9 @@ HERE = Path(__file__).resolve().parent
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"  # FSDP1
 FSDP2_CONFIG = REPO / "configs" / "tiny-cpu-fsdp2.yaml"  # the same run with FSDP2
 MAX_STEPS, EVERY, CRASH_AT = 8, 3, 5  # checkpoints at 3, 6, 8; rank 1 dies before step 6 runs
+VALIDATE_EVERY = 4
+# The uninterrupted run to compare with trains the same steps, validating at the same steps.
+assert (MAX_STEPS, VALIDATE_EVERY) == (REFERENCE_STEPS, REFERENCE_EVERY)
 needs_ray = pytest.mark.skipif(ray_cli.ray_missing() is not None, reason="needs the ray extra")
 
 
@@ -47,7 +51,7 @@ def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), config=CONFIG
         "--trainer.max_steps",
         MAX_STEPS,
         "--trainer.val_check_interval",
-        4,
+        VALIDATE_EVERY,
         "--ray.num_workers",
         2,
         "--ray.checkpoint_every_n_steps",
@@ -97,48 +101,11 @@ def workdir(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def straight(run_cli, workdir, tiny_dir):
-    proc, log = ray_fit(run_cli, workdir, tiny_dir, "straight", callbacks=[record(workdir / "straight.jsonl")])
-    assert proc.returncode == 0, log[-8000:]
-    return workdir / "straight", log
-
-
 @needs_ray
-def test_two_fsdp_workers_fit_and_the_checkpoint_exports(straight, workdir, tiny_dir):
-    run_dir, log = straight
-    held = dict(re.findall(r"\[rank (\d)\] FSDP FULL_SHARD: ([\d,]+) of [\d,]+ parameters held locally", log))
-    assert sorted(held) == ["0", "1"], log[-4000:]
-    # Prepared once, on the driver; the workers found everything cached.
-    driver = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" not in ln]
-    workers = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" in ln]
-    assert driver and re.search(r"codec cache: \d+ clip\(s\) encoded", driver[0])
-    assert workers and all("codec cache: 0 clip(s) encoded" in ln for ln in workers), workers
-    assert not any(re.search(r"RayTrainWorker.*encoded \d+/\d+ clips", ln) for ln in log.splitlines())
-
-    [(start, steps)] = attempts(workdir / "straight.jsonl")
-    assert start == 0 and [s for s, _ in steps] == list(range(1, MAX_STEPS + 1))
-    for step in (3, 6, 8):
-        assert (checkpoint_of(run_dir, step) / ".metadata").is_file()  # sharded, merged from both ranks
-    final = checkpoint_of(run_dir, MAX_STEPS)
-    assert sorted(p.name for p in final.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    assert f"latest checkpoint: {final}" in log
-    assert load_training_checkpoint(final).global_step == MAX_STEPS
-
-    from qwen_tts import Qwen3TTSModel
-
-    from tts_lightning.model.export import export_custom_voice
-
-    out = export_custom_voice(final, workdir / "voice", dtype="fp32")
-    model = Qwen3TTSModel.from_pretrained(str(out))
-    assert set(model.get_supported_speakers()) == {"alice", "bob"}
-
-
-@needs_ray
-def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdir, tiny_dir):
-    """Under FSDP2 (RayQwen3TTSFSDP2Strategy), while `straight` ran FSDP1: the same config with the
-    other strategy, so one launch covers FSDP2's Ray run, its DCP shards merged into the reported
-    checkpoint and the resume from it."""
+def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, fsdp1_reference, workdir, tiny_dir):
+    """Under FSDP2 (RayQwen3TTSFSDP2Strategy), while the `failed` run below and the README's
+    `ray-fit` train FSDP1: one launch covers FSDP2's Ray run, its DCP shards merged into the
+    reported checkpoint and the resume from it."""
     marker, steps_file = workdir / "crashed.marker", workdir / "resumed.jsonl"
     proc, log = ray_fit(
         run_cli,
@@ -177,15 +144,14 @@ def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdi
     assert second[0] + len(second[1]) == MAX_STEPS  # optimizer steps of the run that counts
     # The data position was restored: the replayed steps saw the same batches.
     assert dict(first[1])[last_saved + 1] == dict(second[1])[last_saved + 1]
-    [(_, straight_steps)] = attempts(workdir / "straight.jsonl")
-    assert second[1] == straight_steps[last_saved:]
 
-    # Step, optimizer, LR schedule and data restored: the weights equal the uninterrupted run's.
-    # That run trained with FSDP1 and this one with FSDP2, on the same batches in fp32: the bound is
-    # the one tests/distributed/test_fsdp2.py::test_fsdp2_trains_like_fsdp1 holds FSDP2 to against
-    # FSDP1 in plain `fit` (atol 1e-5, rtol 1e-5); a resume within one strategy is held to 1e-6.
+    # Step, optimizer, LR schedule and data restored: the weights equal the uninterrupted run's, a
+    # plain `fit` (no Ray) of the same config on the same data. That run trained with FSDP1 and
+    # this one with FSDP2, on the same batches in fp32: the bound is the one
+    # tests/distributed/test_fsdp2.py::test_fsdp2_trains_like_fsdp1 holds FSDP2 to against FSDP1
+    # (atol 1e-5, rtol 1e-5); a resume within one strategy is held to 1e-6.
     resumed = load_training_checkpoint(checkpoint_of(run_dir, MAX_STEPS))
-    reference = load_training_checkpoint(checkpoint_of(straight[0], MAX_STEPS))
+    reference = load_training_checkpoint(newest_last(fsdp1_reference[0]))
     assert resumed.global_step == reference.global_step == MAX_STEPS
     assert resumed.state_dict.keys() == reference.state_dict.keys()
     for key, value in reference.state_dict.items():
@@ -197,8 +163,9 @@ def test_worker_crash_resumes_from_the_last_checkpoint(run_cli, straight, workdi
     )
 
 
-@needs_ray
-def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(run_cli, workdir, tiny_dir):
+@pytest.fixture(scope="module")
+def failed(run_cli, workdir, tiny_dir):
+    """FSDP1 workers, rank 1 dying before step CRASH_AT + 1 with no retries: (process, output)."""
     marker = workdir / "failed.marker"
     proc, log = ray_fit(
         run_cli,
@@ -209,15 +176,48 @@ def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(run_cli, wo
         0,
         callbacks=[crash(marker), record(workdir / "failed.jsonl")],
     )
-    assert proc.returncode == 1, log[-8000:]
     assert marker.is_file()
+    return proc, log
+
+
+@needs_ray
+def test_two_fsdp1_workers_train_on_data_prepared_once_and_the_checkpoint_exports(failed, workdir):
+    _, log = failed
+    held = dict(re.findall(r"\[rank (\d)\] FSDP FULL_SHARD: ([\d,]+) of [\d,]+ parameters held locally", log))
+    assert sorted(held) == ["0", "1"], log[-4000:]
+    # Prepared once, on the driver; the workers found everything cached.
+    driver = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" not in ln]
+    workers = [ln for ln in log.splitlines() if "codec cache:" in ln and "RayTrainWorker" in ln]
+    assert driver and re.search(r"codec cache: \d+ clip\(s\) encoded", driver[0])
+    assert workers and all("codec cache: 0 clip(s) encoded" in ln for ln in workers), workers
+    assert not any(re.search(r"RayTrainWorker.*encoded \d+/\d+ clips", ln) for ln in log.splitlines())
+
+    [(start, steps)] = attempts(workdir / "failed.jsonl")
+    assert start == 0 and [s for s, _ in steps] == list(range(1, CRASH_AT + 1))
+    saved = checkpoint_of(workdir / "failed", EVERY)  # sharded, merged from both ranks
+    assert (saved / ".metadata").is_file()
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    from qwen_tts import Qwen3TTSModel
+
+    from tts_lightning.model.export import export_custom_voice
+
+    out = export_custom_voice(saved, workdir / "voice", dtype="fp32")
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    assert set(model.get_supported_speakers()) == {"alice", "bob"}
+
+
+@needs_ray
+def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(failed, workdir):
+    proc, _ = failed
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-8000:]
     assert "tts-lightning ray-fit: error: training failed (max_failures=0): WorkerGroupError" in proc.stderr
     assert "Rank 1" in proc.stderr and "died" in proc.stderr  # names the worker that failed
-    last = checkpoint_of(workdir / "failed", 3)
+    last = checkpoint_of(workdir / "failed", EVERY)
     assert f"latest checkpoint: {last}" in proc.stderr
-    assert not checkpoint_of(workdir / "failed", 6).exists()
+    assert not checkpoint_of(workdir / "failed", 2 * EVERY).exists()
     checkpoint = load_training_checkpoint(last)
-    assert checkpoint.global_step == 3 and any(k.startswith("model.talker.") for k in checkpoint.state_dict)
+    assert checkpoint.global_step == EVERY and any(k.startswith("model.talker.") for k in checkpoint.state_dict)
 
 
 def test_without_ray_the_command_says_how_to_install_it(monkeypatch, capsys):
