@@ -3,8 +3,9 @@
 Each notebook is executed by nbclient in a fresh ``python3`` kernel that runs *this* interpreter
 (a kernelspec written to a temporary ``JUPYTER_PATH``, so a ``python3`` kernelspec installed
 elsewhere, e.g. one whose ``argv`` starts with a bare ``python``, cannot hijack it), in an empty
-temporary working directory: the notebooks must not depend on being run from ``notebooks/``.
-Any cell error fails the test (nbclient raises ``CellExecutionError`` with the traceback).
+temporary working directory: the notebooks must not depend on being run from ``notebooks/``. The
+notebooks run at the same time, each in its own kernel. Any cell error fails the test (nbclient
+raises ``CellExecutionError`` with the traceback).
 """
 
 from __future__ import annotations
