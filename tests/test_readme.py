@@ -11,7 +11,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-from launcher import demo_commands
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +46,6 @@ def test_readme_has_the_two_commands_on_top():
 def test_make_demo_commands(demo_workspace):
     workspace, outputs = demo_workspace  # the fixture ran them, and failed on a non-zero exit
     assert list(outputs) == ["tiny-model", "fit", "export", "synthesize"]
-    assert [c.split("tts-lightning ")[1].split()[0] for c in demo_commands()] == list(outputs)
     assert (workspace / "runs" / "tiny-model" / "config.json").is_file()
     assert (workspace / "runs" / "tiny-cpu" / "checkpoints" / "last.ckpt").exists()
     assert (workspace / "runs" / "tiny-cpu" / "voice").is_dir()
