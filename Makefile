@@ -5,6 +5,13 @@ BIN    := $(VENV)/bin
 
 .PHONY: demo test test-fast lint install clean
 
+# Every CPU job below runs with these. One thread per process: the jobs run 2 processes on 2 cores.
+# glibc hands every freed block over 32 MiB back to the kernel (munmap) and faults the pages in
+# again on the next step; the models' activations are such blocks, so 15-20% of prepare's time went
+# to page faults. These keep blocks up to 256 MiB in the heap and trim it past 512 MiB: prepare
+# 10-20% faster, the FSDP fit tests ~10% (benchmarks/cpu_allocator.py; README, Benchmarks).
+CPU_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912
+
 # The last step imports librosa's feature functions once: numba compiles librosa's kernels (~30 s on
 # 2 cores; speaker similarity uses them) on their first import and caches them in the environment,
 # so the first run that scores speech does not pay it.
@@ -19,21 +26,21 @@ install: $(BIN)/tts-lightning
 # The demo: build the tiny model, fine-tune it on the two demo speakers with FSDP on 2 CPU
 # processes, export the last checkpoint as a custom_voice model and speak with the new voice.
 demo: install
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning tiny-model runs/tiny-model
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --data.pretrained runs/tiny-model
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning export --overwrite --dtype fp32 \
+	$(CPU_ENV) $(BIN)/tts-lightning tiny-model runs/tiny-model
+	$(CPU_ENV) $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --data.pretrained runs/tiny-model
+	$(CPU_ENV) $(BIN)/tts-lightning export --overwrite --dtype fp32 \
 		--ckpt runs/tiny-cpu/checkpoints/last.ckpt \
 		--out runs/tiny-cpu/voice
-	OMP_NUM_THREADS=1 $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
+	$(CPU_ENV) $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30
+	$(CPU_ENV) $(BIN)/python -m pytest -q --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" --durations=10
+	$(CPU_ENV) $(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 # Lint, format and types (the same checks as .pre-commit-config.yaml); CI runs it before the tests.
 LINT_PATHS := tts_lightning tests benchmarks scripts

@@ -28,12 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import sys, time
+import resource, sys, time
 import lightning as L
 import torch
 import qwen_tts  # a real run's Qwen3TTSModule imported it (reading the config) before prepare_data
@@ -42,14 +43,16 @@ from tts_lightning.data.datamodule import SpeakerClipsDataModule
 class Timed(SpeakerClipsDataModule):
     start = None
     def prepare_data(self):
-        Timed.start = time.perf_counter()
+        Timed.start = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         super().prepare_data()
     def setup(self, stage=None):
         if Timed.start is None:
-            Timed.start = time.perf_counter()
+            Timed.start = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         super().setup(stage)
         if self.trainer.global_rank == 0:
-            print(f"PREPARE_SECONDS {time.perf_counter() - Timed.start:.3f}", flush=True)
+            (start, before), after = Timed.start, resource.getrusage(resource.RUSAGE_SELF)
+            print(f"PREPARE_SECONDS {time.perf_counter() - start:.3f} SYSTEM {after.ru_stime - before.ru_stime:.3f} "
+                  f"FAULTS {after.ru_minflt - before.ru_minflt}", flush=True)
 
 class Nothing(L.LightningModule):
     def __init__(self):
@@ -90,8 +93,21 @@ def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
     return manifest, seconds
 
 
-def run(tiny: Path, manifest: Path, cache: Path, devices: int, script: Path) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+@dataclass
+class Timing:
+    """Rank 0 of one prepare run, from ``prepare_data`` to the end of ``setup``: wall seconds, system
+    CPU seconds and minor page faults."""
+
+    seconds: float
+    system: float
+    faults: int
+
+
+def run(
+    tiny: Path, manifest: Path, cache: Path, devices: int, script: Path, env: dict[str, str] | None = None
+) -> Timing:
+    """Prepare in fresh processes (``devices`` of them); ``env``: more environment variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(script), str(tiny), str(manifest), str(cache), str(devices)],
         cwd=script.parent,
@@ -101,10 +117,10 @@ def run(tiny: Path, manifest: Path, cache: Path, devices: int, script: Path) -> 
         timeout=3600,
     )
     out = proc.stdout + proc.stderr
-    found = re.search(r"PREPARE_SECONDS ([0-9.]+)", out)
+    found = re.search(r"PREPARE_SECONDS ([0-9.]+) SYSTEM ([0-9.]+) FAULTS ([0-9]+)", out)
     if proc.returncode != 0 or found is None:
         raise SystemExit(f"{devices} process(es) failed (exit {proc.returncode}):\n{out[-4000:]}")
-    return float(found.group(1))
+    return Timing(float(found.group(1)), float(found.group(2)), int(found.group(3)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
         pairs, same = [], True
         for i in range(args.repeats):
-            one = run(tiny, manifest, root / f"cache1-{i}", 1, script)
-            two = run(tiny, manifest, root / f"cache2-{i}", 2, script)
+            one = run(tiny, manifest, root / f"cache1-{i}", 1, script).seconds
+            two = run(tiny, manifest, root / f"cache2-{i}", 2, script).seconds
             pairs.append((one, two))
             one_files, two_files = files(root / f"cache1-{i}"), files(root / f"cache2-{i}")
             same &= one_files == two_files and len([p for p in one_files if p.endswith(".npy")]) == args.gains * 24
