@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from tts_lightning.model.pretrained import build_model, check_pretrained, load_text_tokenizer
-from tts_lightning.model.sequence import SpecialIds, build_sequence, collate, embed_batch, tokenize_text
+from tts_lightning.model.sequence import (
+    SpecialIds,
+    assistant_text,
+    build_sequence,
+    collate,
+    embed_batch,
+    tokenize_text,
+    tokenize_texts,
+)
 
 
 class _Captured(Exception):
@@ -75,3 +83,13 @@ def test_unknown_language_is_named(model_and_tokenizer):
     _, tokenizer, ids = model_and_tokenizer
     with pytest.raises(ValueError, match="'klingon' is not supported"):
         build_sequence(ids, tokenize_text(tokenizer, "Hi."), None, language="klingon")
+
+
+def test_texts_tokenised_together_equal_one_by_one(model_and_tokenizer):
+    """setup() tokenises every transcript in one batch call: the ids must be each text's own."""
+    _, tokenizer, _ = model_and_tokenizer
+    texts = ["Hi.", "Grüße aus Köln, 3.5 km entfernt!", "你好，世界。", "A much longer sentence, " * 12, "  spaced  "]
+    assert tokenize_texts(tokenizer, texts) == [tokenizer(assistant_text(t))["input_ids"] for t in texts]
+    assert tokenize_texts(tokenizer, []) == []
+    with pytest.raises(ValueError, match="tokenised to 8 ids"):
+        tokenize_texts(tokenizer, ["Hi.", ""])

@@ -39,7 +39,7 @@ from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
 from tts_lightning.deprecation import moved
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
-from tts_lightning.model.sequence import SpecialIds, tokenize_text
+from tts_lightning.model.sequence import SpecialIds, tokenize_texts
 
 # Moved to tts_lightning.data.prepare / tts_lightning.data.batching; the old paths warn for one release.
 __getattr__ = moved(
@@ -324,13 +324,14 @@ class SpeakerClipsDataModule(LightningDataModule):
         tokenizer = load_text_tokenizer(info)
         speaker_index = {n: i for i, n in enumerate(names)}
         splits: dict[str, list[PreparedItem]] = {"train": [], "val": []}
-        for e in index.clips:
+        text_ids = tokenize_texts(tokenizer, [e.text for e in index.clips])
+        for e, tokens in zip(index.clips, text_ids):
             codes = cache_dir / e.codes
             if not codes.is_file():
                 raise FileNotFoundError(f"{codes} (codes of {e.audio}) is missing; run prepare again")
             splits[e.split].append(
                 PreparedItem(
-                    text_ids=tuple(tokenize_text(tokenizer, e.text)),
+                    text_ids=tuple(tokens),
                     codes=codes,
                     frames=e.frames,
                     speaker_index=speaker_index[e.speaker],

@@ -86,10 +86,17 @@ def assistant_text(text: str) -> str:
 
 
 def tokenize_text(tokenizer, text: str) -> list[int]:
-    ids = tokenizer(assistant_text(text))["input_ids"]
-    if len(ids) < 9:
-        raise ValueError(f"text {text!r} tokenised to {len(ids)} ids; the template alone needs 8")
-    return list(ids)
+    return tokenize_texts(tokenizer, [text])[0]
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenize_text` of every text, in one call: a fast tokenizer encodes a batch ~3x faster than
+    the texts one by one (a data set's every transcript, on every rank's ``setup``)."""
+    rows = tokenizer([assistant_text(t) for t in texts])["input_ids"] if texts else []
+    for text, ids in zip(texts, rows):
+        if len(ids) < 9:
+            raise ValueError(f"text {text!r} tokenised to {len(ids)} ids; the template alone needs 8")
+    return [list(ids) for ids in rows]
 
 
 @dataclass
