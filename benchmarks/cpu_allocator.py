@@ -11,7 +11,11 @@ fresh processes, alternately with the default allocator and with the settings, `
   ``prepare_data`` to the end of ``setup``, its system CPU time and its minor page faults.
 * ``fit``: ``tts-lightning fit --config configs/tiny-cpu.yaml`` (FSDP, 2 processes) for ``--steps``
   steps on the demo set, prepared before the timed runs: the whole command's wall time, start-up
-  (~12 s of imports per process) included, as a user waits for it.
+  (imports, ~12 s of CPU per process; the second rank's launch; the sanity check) included, as a
+  user waits for it.
+
+The default arm runs without any ``MALLOC_*`` or ``GLIBC_TUNABLES`` variable, even when the calling
+shell exported them.
 
 Reports the median ratio settings / default per workload (lower is faster), and prepare's
 2-process / 1-process ratio under each (prepare_parallel.py's goal, <= 0.6).
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for name in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        print(f"unset {name} for the default arm (the processes of both arms inherit this environment)")
+        del os.environ[name]
     tuned = makefile_cpu_env()
     arms = {"default": {}, "settings": tuned}
 
