@@ -104,6 +104,23 @@ def test_staged_folder_on_a_full_disk_leaves_nothing(small_fs):
     assert list(fs.iterdir()) == []  # neither the staged folder nor a partial export
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
+    # mkstemp and mkdtemp make 0600 files and 0700 folders: a cache or an export shared with
+    # other users (or served by another account) would be unreadable to them.
+    old = os.umask(umask)
+    try:
+        report = atomic_write_json(tmp_path / "cache" / "report.json", {})
+        with staged_directory(tmp_path / "voice") as tmp:
+            (tmp / "config.json").write_text("{}")
+            os.replace(tmp, tmp_path / "voice")
+    finally:
+        os.umask(old)
+    assert report.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "voice").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "voice" / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_read_only_folder_is_one_clear_error(small_fs):
     fs = small_fs("64k")
     _remount(fs, "ro")

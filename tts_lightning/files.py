@@ -158,6 +158,12 @@ def _size(path: Path) -> int:
         return 0
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(
     path: str | os.PathLike, write: Callable[[Any], None], *, binary: bool = True, needed: int | None = None
 ) -> Path:
@@ -169,6 +175,7 @@ def atomic_write(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600: a shared cache must stay readable
         with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as fh:
             write(fh)
         os.replace(tmp, path)
@@ -202,6 +209,7 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the files inside follow the umask
         yield tmp
     except BaseException as exc:
         written = _size(tmp) if tmp is not None else None
