@@ -4,8 +4,16 @@ import json
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 
-from tts_lightning.data.manifest import ClipRecord, ManifestEncodingError, load_manifest
+from tts_lightning.data.audio import read_audio
+from tts_lightning.data.manifest import (
+    CACHEDIR_TAG,
+    ClipRecord,
+    ManifestEncodingError,
+    load_manifest,
+    write_cachedir_tag,
+)
 
 
 def _jsonl(path: Path, lines: list[str]) -> Path:
@@ -185,3 +193,108 @@ def test_ljspeech_quoted_fields_and_stray_columns(tmp_path: Path) -> None:
     assert stray.source == "metadata.csv:2" and "stray '|' at the end" in stray.detail
     assert str(csv_path) + ":2" in stray.detail
     assert broken.source == "metadata.csv:3" and "metadata.csv:3" in broken.detail
+
+
+def test_ljspeech_quoted_field_with_one_pipe_and_unbalanced_quotes(tmp_path: Path) -> None:
+    csv_path = tmp_path / "metadata.csv"
+    csv_path.write_text(
+        'LJ001|"She said | hello"\n'  # 3 plain columns, 2 quoted ones
+        'LJ002| "Spaced | quote"|\n'
+        'LJ003|He said "hi|He said "hi\n'  # LJSpeech's own unbalanced quotes stay text
+        'LJ004|"Hello," she said.|"Hello," she said.\n'
+        'LJ005|"open quote\n',
+        encoding="utf-8",
+    )
+    result = load_manifest(csv_path)
+    assert result.rejected == []
+    assert [r.text for r in result.records] == [
+        "She said | hello",
+        "Spaced | quote",
+        'He said "hi',
+        '"Hello," she said.',
+        '"open quote',
+    ]
+
+
+def test_whitespace_runs_in_transcripts_become_one_space(tmp_path: Path, write_tone) -> None:
+    write_tone(tmp_path / "clips" / "a.wav")
+    (tmp_path / "clips" / "a.txt").write_bytes(b"The morning train\r\nwas late   again.\r\n")
+    assert load_manifest(tmp_path / "clips").records[0].text == "The morning train was late again."
+    (tmp_path / "metadata.csv").write_text("LJ001|x|The morning\ttrain  was late.\n", encoding="utf-8")
+    assert load_manifest(tmp_path / "metadata.csv").records[0].text == "The morning train was late."
+    manifest = _jsonl(tmp_path / "train.jsonl", [json.dumps({"audio": "a.wav", "text": " Two\nlines. "})])
+    assert load_manifest(manifest).records[0].text == "Two lines."
+
+
+def test_jsonl_null_speaker_and_language_are_absent(tmp_path: Path) -> None:
+    # pandas' to_json writes missing values as null.
+    manifest = _jsonl(
+        tmp_path / "train.jsonl",
+        [json.dumps({"audio": "a.wav", "text": "Hi.", "ref_audio": None, "speaker": None, "language": None})],
+    )
+    result = load_manifest(manifest, default_speaker="narrator")
+    assert result.rejected == []
+    assert [(r.speaker, r.language) for r in result.records] == [("narrator", "auto")]
+
+
+def test_folder_reports_orphan_transcripts_and_unsupported_audio(tmp_path: Path, write_tone) -> None:
+    root = tmp_path / "clips"
+    write_tone(root / "a1.wav")
+    (root / "a1.txt").write_text("one", encoding="utf-8")
+    write_tone(root / "long.wav")
+    (root / "long.srt").write_text("1\n00:00:00,000 --> 00:00:01,000\nHi.\n", encoding="utf-8")
+    (root / "orphan.txt").write_text("no audio", encoding="utf-8")
+    (root / "alice" / "a5.m4a").parent.mkdir()
+    (root / "alice" / "a5.m4a").write_bytes(b"\x00\x00\x00\x20ftypM4A ")
+    (root / "alice" / "a5.txt").write_text("a format we do not read", encoding="utf-8")
+    (root / "._a1.txt").write_bytes(b"\x00\x05\x16\x07")  # macOS metadata: skipped
+    write_tone(root / "B2.WAV")
+    (root / "B2.TXT").write_text("upper-case names", encoding="utf-8")
+
+    result = load_manifest(root)
+    assert [r.source for r in result.records] == ["B2.WAV", "a1.wav", "long.wav"]
+    assert [(r.source, r.reason) for r in result.rejected] == [
+        ("alice/a5.m4a", "unreadable_audio"),
+        ("orphan.txt", "missing_file"),
+    ]
+    unsupported, orphan = result.rejected
+    assert ".m4a" in unsupported.detail and "not supported" in unsupported.detail and ".wav" in unsupported.detail
+    assert unsupported.audio == str(root / "alice" / "a5.m4a")
+    assert "orphan.txt has no audio file" in orphan.detail and ".flac" in orphan.detail
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "subtype", "sr"),
+    [
+        ("clip.aif", "AIFF", "PCM_16", 24_000),
+        ("clip.aiff", "AIFF", "PCM_16", 24_000),
+        ("clip.opus", "OGG", "OPUS", 48_000),  # the soundfile wheel's libsndfile (>= 1.0.29) has Opus
+    ],
+)
+def test_folder_reads_opus_and_aiff(tmp_path: Path, make_sine, name: str, fmt: str, subtype: str, sr: int) -> None:
+    path = tmp_path / name
+    sf.write(path, make_sine(1.0, sr), sr, format=fmt, subtype=subtype)
+    path.with_suffix(".txt").write_text("hello", encoding="utf-8")
+    result = load_manifest(tmp_path)
+    assert result.rejected == [] and [r.audio for r in result.records] == [path]
+    wave, rate = read_audio(path)  # the reader the pipeline decodes with
+    assert rate == sr and wave.shape == (1, sr)
+
+
+def test_folder_skips_tagged_cache_folders(tmp_path: Path, write_tone) -> None:
+    root = tmp_path / "clips"
+    write_tone(root / "a1.wav")
+    (root / "a1.txt").write_text("one", encoding="utf-8")
+    write_cachedir_tag(root / "cache")
+    write_cachedir_tag(root / "cache")  # already there: kept
+    assert (root / "cache" / "CACHEDIR.TAG").read_text() == CACHEDIR_TAG
+    write_tone(root / "cache" / "segments" / "cut.wav")  # cut clips have no transcripts
+    (root / "cache" / "stray.txt").write_text("x", encoding="utf-8")
+    # A CACHEDIR.TAG without the spec's signature does not mark a cache.
+    write_tone(root / "bob" / "b1.wav")
+    (root / "bob" / "b1.txt").write_text("bob", encoding="utf-8")
+    (root / "bob" / "CACHEDIR.TAG").write_text("not a tag", encoding="utf-8")
+
+    result = load_manifest(root)
+    assert [r.source for r in result.records] == ["a1.wav", "bob/b1.wav"]
+    assert result.rejected == []

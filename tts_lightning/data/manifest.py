@@ -2,6 +2,9 @@
 
 Malformed entries never stop a run: each one becomes a Rejection carrying the
 manifest location ("train.jsonl:12") so the user can fix it later.
+
+Every reader collapses each run of whitespace in a transcript (newlines, tabs, repeated spaces) to one
+space: inside one transcript such a run is never meaningful for TTS training.
 """
 
 from __future__ import annotations
@@ -14,8 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-AUDIO_EXTENSIONS: frozenset[str] = frozenset({".wav", ".flac", ".ogg", ".mp3"})
+import soundfile as sf
+
+# What soundfile (libsndfile) decodes; Opus only where this libsndfile build has it (>= 1.0.29).
+_OPUS = {".opus"} if "OPUS" in sf.available_subtypes("OGG") else set()
+AUDIO_EXTENSIONS: frozenset[str] = frozenset({".wav", ".flac", ".ogg", ".mp3", ".aif", ".aiff", *_OPUS})
+# Common audio formats soundfile cannot decode: a folder manifest reports them instead of skipping them.
+_UNSUPPORTED_AUDIO_EXTENSIONS = (
+    frozenset({".m4a", ".m4b", ".aac", ".mp4", ".wma", ".webm", ".mka", ".amr", ".3gp", ".ape", ".wv", ".opus"})
+    - AUDIO_EXTENSIONS
+)
 SUBTITLE_EXTENSIONS = (".srt", ".vtt")
+_SUPPORTED_LIST = "/".join(sorted(AUDIO_EXTENSIONS))
 
 # Every rejection reason code used by the data pipeline (manifest + validation).
 REJECTION_REASONS: frozenset[str] = frozenset(
@@ -36,6 +49,25 @@ REJECTION_REASONS: frozenset[str] = frozenset(
 )
 
 DEFAULT_ENCODING = "utf-8"
+
+# A Cache Directory Tagging Specification tag (https://bford.info/cachedir/): folders holding it are
+# skipped by folder manifests (and by backup tools), so a cache inside the data is never read as data.
+CACHEDIR_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by tts-lightning.\n"
+    "# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+
+
+def write_cachedir_tag(folder: Path) -> None:
+    """Write `CACHEDIR_TAG` as ``folder/CACHEDIR.TAG`` (creating the folder) unless a tag is already there."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(folder / "CACHEDIR.TAG", "x", encoding="ascii") as f:
+            f.write(CACHEDIR_TAG)
+    except FileExistsError:
+        pass  # written earlier, or by another rank at the same time
 
 
 class ManifestEncodingError(ValueError):
@@ -127,6 +159,11 @@ def subtitles_for(audio: Path) -> Path | None:
     return None
 
 
+def _clean_text(text: str) -> str:
+    """``text`` with every whitespace run (\\r\\n, tabs, repeated spaces) made one space, ends stripped."""
+    return " ".join(text.split())
+
+
 def _resolve(base: Path, value: str) -> Path:
     """Resolve a manifest path: absolute stays, relative is taken against the manifest's folder."""
     p = Path(value).expanduser()
@@ -193,8 +230,11 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
         if ref is not None and not isinstance(ref, str):
             rejected.append(Rejection(source, audio, "malformed_entry", "'ref_audio' must be a string path"))
             continue
-        speaker = entry.get("speaker", default_speaker)
-        language = entry.get("language", "auto")
+        # null (what pandas' to_json writes for a missing value) is the same as an absent key.
+        speaker = entry.get("speaker")
+        speaker = default_speaker if speaker is None else speaker
+        language = entry.get("language")
+        language = "auto" if language is None else language
         if not isinstance(speaker, str) or not speaker.strip() or not isinstance(language, str):
             rejected.append(
                 Rejection(source, audio, "malformed_entry", "'speaker' and 'language' must be non-empty strings")
@@ -210,7 +250,7 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
         records.append(
             ClipRecord(
                 audio=_resolve(base, audio),
-                text=text,
+                text=_clean_text(text),
                 speaker=speaker.strip(),
                 source=source,
                 ref_audio=_resolve(base, ref) if ref and ref.strip() else None,
@@ -230,13 +270,19 @@ def _lines(text: str) -> list[str]:
 def _split_ljspeech_row(line: str) -> list[str]:
     """``id|text[|normalized]`` -> its columns.
 
-    A plain split first: LJSpeech text holds unbalanced quotes that CSV quoting would swallow. When
-    that gives too many columns and the row has CSV-quoted fields (``"a | b"``), the quoted reading
-    is used if it yields a valid row.
+    When a field starts with a quote (``"a | b"``), the CSV-quoted reading is used if it is valid
+    quoting and yields a valid row; otherwise the plain split, as LJSpeech text holds unbalanced
+    quotes that CSV quoting would swallow (``He said "hi``, ``"Hello," she said.``). Raises
+    csv.Error for broken quoting only when the plain split is no valid row either.
     """
     cols = line.split("|")
-    if len(cols) > 3 and '"' in line:
-        quoted = next(csv.reader([line], delimiter="|", quotechar='"', strict=True), [])
+    if any(c.lstrip().startswith('"') for c in cols):
+        try:
+            quoted = next(csv.reader([line], delimiter="|", quotechar='"', skipinitialspace=True, strict=True), [])
+        except csv.Error:
+            if len(cols) in (2, 3):
+                return cols
+            raise
         if len(quoted) in (2, 3):
             return quoted
     return cols
@@ -284,34 +330,88 @@ def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: st
         text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
         audio = wavs / f"{clip_id}.wav"
         records.append(
-            ClipRecord(audio=Path(_normpath(audio)), text=text.strip(), speaker=default_speaker, source=source)
+            ClipRecord(audio=Path(_normpath(audio)), text=_clean_text(text), speaker=default_speaker, source=source)
         )
     return ManifestResult(records, rejected)
 
 
+def _is_cache_dir(folder: Path) -> bool:
+    """True when ``folder`` holds a CACHEDIR.TAG starting with the spec's 43-byte signature line."""
+    signature = CACHEDIR_TAG.split("\n", 1)[0].encode()
+    try:
+        with open(folder / "CACHEDIR.TAG", "rb") as f:
+            return f.read(len(signature)) == signature
+    except OSError:
+        return False
+
+
+def _folder_files(root: Path) -> list[Path]:
+    """Every file below ``root`` (sorted) except hidden ones (``.x``, macOS ``._x``) and those in
+    hidden or tagged cache sub-folders; symlinked folders are not followed."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        # Pruned in place so os.walk never enters them (root itself is read even if tagged: it was asked for).
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not _is_cache_dir(here / d)]
+        found += [here / name for name in filenames if not name.startswith(".")]
+    return sorted(found)
+
+
+def _transcript_for(audio: Path) -> Path:
+    """The ``.txt`` (or ``.TXT``) beside ``audio``; the ``.txt`` name when there is none."""
+    upper = audio.with_suffix(".TXT")
+    return upper if upper.is_file() and not audio.with_suffix(".txt").is_file() else audio.with_suffix(".txt")
+
+
 def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
-    """Read a folder of audio files with same-named .txt transcripts; sub-folder name = speaker."""
+    """Read a folder of audio files with same-named .txt transcripts; sub-folder name = speaker.
+
+    A transcript (.txt, .srt, .vtt) without audio beside it and an audio file in a format soundfile
+    cannot decode are rejections. Hidden files and folders and folders holding a CACHEDIR.TAG are skipped.
+    """
     root = Path(root)
     records: list[ClipRecord] = []
     rejected: list[Rejection] = []
-    files = sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in AUDIO_EXTENSIONS
-        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
-    for audio in files:
-        rel = audio.relative_to(root)
+    files = _folder_files(root)
+    audio_stems = {
+        (p.parent, p.stem) for p in files if p.suffix.lower() in AUDIO_EXTENSIONS | _UNSUPPORTED_AUDIO_EXTENSIONS
+    }
+    for path in files:
+        rel = path.relative_to(root)
         source = rel.as_posix()
+        ext = path.suffix.lower()
+        if ext in _UNSUPPORTED_AUDIO_EXTENSIONS:
+            rejected.append(
+                Rejection(
+                    source,
+                    str(path),
+                    "unreadable_audio",
+                    f"{source}: audio format {ext} is not supported (supported: {_SUPPORTED_LIST}); "
+                    f"convert it, e.g. ffmpeg -i {path.name} {path.stem}.wav",
+                )
+            )
+            continue
+        if ext in (".txt", *SUBTITLE_EXTENSIONS):
+            if (path.parent, path.stem) not in audio_stems:
+                rejected.append(
+                    Rejection(
+                        source,
+                        None,
+                        "missing_file",
+                        f"transcript {source} has no audio file ({_SUPPORTED_LIST}) beside it",
+                    )
+                )
+            continue
+        if ext not in AUDIO_EXTENSIONS:
+            continue  # notes, images, metadata: not part of any clip
         # The first sub-folder names the speaker, whatever depth lies below it.
         speaker = rel.parts[0] if len(rel.parts) > 1 else default_speaker
-        txt = audio.with_suffix(".txt")
-        subtitles = None if txt.is_file() else subtitles_for(audio)
+        txt = _transcript_for(path)
+        subtitles = None if txt.is_file() else subtitles_for(path)
         if subtitles is not None:
             records.append(
                 ClipRecord(
-                    audio=Path(_normpath(audio)),
+                    audio=Path(_normpath(path)),
                     text="",
                     speaker=speaker,
                     source=source,
@@ -321,18 +421,18 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
             continue
         if not txt.is_file():
             rejected.append(
-                Rejection(source, str(audio), "no_transcript", f"no transcript file {txt.name} next to {source}")
+                Rejection(source, str(path), "no_transcript", f"no transcript file {txt.name} next to {source}")
             )
             continue
         try:
-            text = read_text(txt, encoding).strip()
+            text = _clean_text(read_text(txt, encoding))
         except ManifestEncodingError as exc:
-            rejected.append(Rejection(source, str(audio), "malformed_entry", str(exc)))
+            rejected.append(Rejection(source, str(path), "malformed_entry", str(exc)))
             continue
         except OSError as exc:
-            rejected.append(Rejection(source, str(audio), "malformed_entry", f"cannot read {txt}: {exc}"))
+            rejected.append(Rejection(source, str(path), "malformed_entry", f"cannot read {txt}: {exc}"))
             continue
-        records.append(ClipRecord(audio=Path(_normpath(audio)), text=text, speaker=speaker, source=source))
+        records.append(ClipRecord(audio=Path(_normpath(path)), text=text, speaker=speaker, source=source))
     return ManifestResult(records, rejected)
 
 
