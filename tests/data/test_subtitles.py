@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,6 +114,157 @@ def test_webvtt_voices_markup_and_errors_name_file_and_line(tmp_path):
     bad.write_text("1\n00:00:01,000 --> 00:00:02,000\nok\n\n2\n00:00:03,000 -> 00:00:04,000\nbroken\n")
     with pytest.raises(SubtitleError, match=r"b\.srt:5"):
         parse_subtitles(bad)
+
+
+def _write_recording(folder: Path, name: str, srt: str) -> None:
+    """<name>.srt beside an existing <name>.<ext> recording, and train.jsonl listing them."""
+    (folder / f"{name}.srt").write_text(srt, encoding="utf-8")
+    audio = next(p.name for p in folder.iterdir() if p.stem == name and p.suffix != ".srt")
+    with open(folder / "train.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"audio": audio, "speaker": "narrator"}) + "\n")
+
+
+@pytest.mark.parametrize("ext", ["ogg", "mp3"])
+def test_lossy_recordings_are_cut_at_exactly_the_samples_they_decode_to(ext, make_sine, tmp_path):
+    if ext == "mp3" and "MP3" not in sf.available_formats():
+        pytest.skip("this libsndfile cannot write MP3 (it needs libsndfile >= 1.1)")
+    n = 3 * SR
+    sf.write(tmp_path / f"talk.{ext}", make_sine(None, SR, frames=n) * np.linspace(0.2, 1.0, n), SR)
+    spans = [(0.1, 0.9), (1.0, 1.8), (1.5, 2.3), (2.4, 2.9)]  # the 2nd and 3rd overlap
+    _write_recording(
+        tmp_path,
+        "talk",
+        "\n".join(f"{k}\n{_stamp(a)} --> {_stamp(b)}\nWords {k}.\n" for k, (a, b) in enumerate(spans, 1)),
+    )
+    cut, segments = cut_subtitled(load_manifest(tmp_path / "train.jsonl"), tmp_path / "s", target_seconds=0.0)
+    assert cut.rejected == [] and len(segments) == 4
+    whole, _ = sf.read(tmp_path / f"talk.{ext}", dtype="float32")  # decoded in one read: the reference
+    for (a, b), seg in zip(spans, segments):
+        clip, sr = sf.read(seg.audio, dtype="float32")
+        assert sr == SR and sf.info(seg.audio).subtype == "FLOAT"
+        assert np.array_equal(clip, whole[round(a * SR) : round(b * SR)])
+
+
+def test_a_bad_cue_is_rejected_alone_naming_file_and_line(write_tone, tmp_path):
+    write_tone(tmp_path / "talk.wav", seconds=3.0)
+    write_tone(tmp_path / "none.wav", seconds=1.0)
+    _write_recording(
+        tmp_path,
+        "talk",
+        "1\n00:00:00,100 --> 00:00:00,600\nJOHN: Good cue.\n\n"
+        "2\n00:00:00,700 --> 00:00:00,700\nZero length.\n\n"
+        "3\n00:00:00,800 --> 00:00:01,400\nFirst line,\n\nafter a blank line.\n\n"
+        "4\n00:00:01,500 -> 00:00:01,900\nBroken timing.\n\n"
+        "5\n00:00:02,000 --> 00:00:02,500\n- JOHN: Hi there.\n- MARY: Hello.\n\n"
+        "6\n00:00:02,600 --> 00:00:03,500\nRuns past the end.\n\n"
+        "7\n00:00:04,000 --> 00:00:05,000\nAfter the end.\n",
+    )
+    _write_recording(tmp_path, "none", "1\n00:00:00,500 --> 00:00:00,200\nBackwards.\n")
+    cut, segments = cut_subtitled(load_manifest(tmp_path / "train.jsonl"), tmp_path / "s", target_seconds=0.0)
+    assert [(r.speaker, r.text) for r in cut.records[:2]] == [
+        ("JOHN", "Good cue."),
+        ("JOHN", "First line, after a blank line."),
+    ]
+    assert [s.cues for s in segments] == ["1", "3", "6"] and (segments[2].start, segments[2].end) == (2.6, 3.0)
+    talk, none = tmp_path / "talk.srt", tmp_path / "none.srt"
+    # Cues 1 and 3 are never merged: the audio of cue 2 between them would be in the clip, its text not.
+    assert merge_cues(parse_subtitles(talk, problems=[]), target_seconds=10.0)[:2] == [[0], [1]]
+    assert [(r.source, r.reason, r.detail) for r in cut.rejected] == [
+        ("train.jsonl:1", "malformed_entry", f"{talk}:6: cue 2 has zero length (starts and ends at 0.700 s)"),
+        (
+            "train.jsonl:1",
+            "malformed_entry",
+            f"{talk}:15: cue 4: expected a cue timing 'HH:MM:SS,mmm --> HH:MM:SS,mmm'",
+        ),
+        (
+            "train.jsonl:1",
+            "malformed_entry",
+            f"{talk}:20: cue 5: lines by 2 speakers (JOHN, MARY) in one cue, which cannot be cut apart",
+        ),
+        (
+            "train.jsonl:1",
+            "malformed_entry",
+            f"{talk}:29: cue 7 starts at 4.000 s, after the end of the recording (3.000 s)",
+        ),
+        ("train.jsonl:2", "malformed_entry", f"{none}:2: cue 1 ends (0.200 s) before it starts (0.500 s)"),
+        ("train.jsonl:2", "malformed_entry", f"{none}: no usable cue"),
+    ]
+    # The rejections cut once are kept with the cut: a second run reports them as well.
+    assert cut_subtitled(load_manifest(tmp_path / "train.jsonl"), tmp_path / "s", target_seconds=0.0)[0] == cut
+
+
+def test_markup_entities_and_speaker_labels(tmp_path):
+    srt = tmp_path / "a.srt"
+    srt.write_text(
+        "1\n00:00:01,000 --> 00:00:02,000\n<i>5 < 10 and 10 > 5 today</i>\n\n"
+        "2\n00:00:02,000 --> 00:00:03,000\nNOTE: bring the keys.\n\n"
+        "3\n00:00:03,000 --> 00:00:04,000\n- JOHN: Hi there.\n- JOHN: It's me.\n\n"
+        "4\n00:00:04,000 --> 00:00:05,000\n- Hi.\n- Hello.\n\n"
+        '5\n00:00:05,000 --> 00:00:06,000\n{\\an8}<font color="#ffff00">Tom &amp; Jerry</font>\n\n'
+        "6\n00:00:06,000 --> 00:00:07,000\n- JOHN: Hi there.\n- MARY: Hello.\n\n"
+        "7\n00:00:07,000 --> 00:00:08,000\nBOB:\n<i>A label on a line of its own.</i>\n",
+        encoding="utf-8",
+    )
+    problems: list[SubtitleError] = []
+    assert [(c.text, c.speaker) for c in parse_subtitles(srt, problems=problems)] == [
+        ("5 < 10 and 10 > 5 today", None),
+        ("NOTE: bring the keys.", None),  # a label word, not a speaker
+        ("Hi there. It's me.", "JOHN"),
+        ("Hi. Hello.", "JOHN"),  # unlabelled dialogue: one text, the speaker continues
+        ("Tom & Jerry", "JOHN"),
+        ("A label on a line of its own.", "BOB"),
+    ]
+    assert [str(p) for p in problems] == [
+        f"{srt}:24: cue 6: lines by 2 speakers (JOHN, MARY) in one cue, which cannot be cut apart"
+    ]
+    with pytest.raises(SubtitleError, match=r"a\.srt:24: cue 6"):
+        parse_subtitles(srt)
+    vtt = tmp_path / "a.vtt"
+    vtt.write_text(
+        "WEBVTT\n\n00:01.000 --> 00:02.000\nTom &amp; Jerry &lt;3 &nbsp;ok\n\n"
+        "00:02.000 --> 00:03.000\n<c.yellow>Look</c> <00:02.500>at <lang en>this</lang>, <b>now</b>.\n\n"
+        "00:03.000 --> 00:04.000\nMARY: in WebVTT only a voice tag names the speaker.\n",
+        encoding="utf-8",
+    )
+    assert [(c.text, c.speaker) for c in parse_subtitles(vtt)] == [
+        ("Tom & Jerry <3 ok", None),
+        ("Look at this, now.", None),
+        ("MARY: in WebVTT only a voice tag names the speaker.", None),
+    ]
+
+
+_TWO_CUES = "1\n00:00:00,100 --> 00:00:00,900\nOne.\n\n2\n00:00:01,000 --> 00:00:01,900\nTwo.\n"
+
+
+@pytest.fixture
+def two_recordings(write_tone, tmp_path):
+    """a.wav and b.wav (2 s), each with the subtitles `_TWO_CUES`; returns their train.jsonl."""
+    for name in ("a", "b"):
+        write_tone(tmp_path / f"{name}.wav", seconds=2.0)
+        _write_recording(tmp_path, name, _TWO_CUES)
+    return tmp_path / "train.jsonl"
+
+
+def test_a_deleted_clip_is_cut_again(two_recordings, tmp_path):
+    manifest = load_manifest(two_recordings)
+    cut, segments = cut_subtitled(manifest, tmp_path / "segments", target_seconds=0.0)
+    clip = Path(segments[1].audio)
+    data = clip.read_bytes()
+    clip.unlink()
+    assert cut_subtitled(manifest, tmp_path / "segments", target_seconds=0.0)[0] == cut
+    assert clip.read_bytes() == data
+
+
+def test_an_edited_srt_leaves_no_old_cut_behind(two_recordings, tmp_path):
+    segments_dir = tmp_path / "segments"
+    _, segments = cut_subtitled(load_manifest(two_recordings), segments_dir, target_seconds=0.0)
+    a_folder, b_folder = Path(segments[0].audio).parent, Path(segments[2].audio).parent
+    (tmp_path / "a.srt").write_text(_TWO_CUES.replace("Two.", "Two, edited."), encoding="utf-8")
+    edited, segments = cut_subtitled(load_manifest(two_recordings), segments_dir, target_seconds=0.0)
+    assert [r.text for r in edited.records] == ["One.", "Two, edited.", "One.", "Two."]
+    # a's earlier cut is gone; b's (another recording's) is kept.
+    assert sorted(segments_dir.iterdir()) == sorted({Path(segments[0].audio).parent, b_folder})
+    assert Path(segments[0].audio).parent != a_folder
 
 
 def test_prepare_validates_encodes_once_and_reports_the_segments(recording, tiny_dir, tmp_path):
