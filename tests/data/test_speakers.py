@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -12,6 +14,7 @@ from tts_lightning.data.speakers import (
     SpeakerEncoder,
     SpeakerReference,
     compute_speaker_table,
+    embed_speakers,
     load_speaker_table,
     select_references,
 )
@@ -120,3 +123,26 @@ def test_reference_selection(demo_accepted):
     bare = [replace(c, record=replace(c.record, ref_audio=None)) for c in reversed(demo_accepted)]
     refs = select_references(bare, ["alice"], num_reference_clips=2)
     assert [r.path.name for r in refs["alice"]] == ["alice_000.flac", "alice_001.flac"]
+
+
+def test_a_truncated_speaker_part_is_computed_again_and_never_left_behind(tiny_dir, tmp_path, monkeypatch):
+    """What a rank killed while writing its speaker part (or a damaged disk) leaves: `embed_speakers`
+    writes it again, `compute_speaker_table` computes the speaker and removes the bad file."""
+    info = check_pretrained(tiny_dir)
+    refs = {"alice": [SpeakerReference(demo_dir() / "clips" / "alice" / "alice_000.flac", "a0")]}
+    calls = []
+    real = SpeakerEncoder.embed_files
+    monkeypatch.setattr(
+        SpeakerEncoder, "embed_files", lambda self, paths, **kw: calls.append(paths) or real(self, paths, **kw)
+    )
+    embed_speakers(tmp_path, info, refs, ["alice"])
+    (part,) = (tmp_path / "speakers" / "parts").iterdir()
+    good = part.read_bytes()
+    part.write_bytes(good[: len(good) // 2])
+    embed_speakers(tmp_path, info, refs, ["alice"])
+    assert len(calls) == 2 and part.read_bytes() == good
+
+    part.write_bytes(good[: len(good) // 2])
+    table = compute_speaker_table(tmp_path, info, refs)
+    assert len(calls) == 3 and list(part.parent.iterdir()) == []
+    assert torch.equal(table.embeddings[0], torch.load(io.BytesIO(good), weights_only=True).float())

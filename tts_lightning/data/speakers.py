@@ -243,7 +243,7 @@ def embed_speakers(
     for name in names:
         key = _speaker_key(encoder.fingerprint, references[name], options)
         part = speaker_part_path(cache_dir, key)
-        if (name in store and store[name][0] == key) or part.is_file():
+        if (name in store and store[name][0] == key) or _read_part(part) is not None:
             continue  # in the table already, or computed by an earlier run that stopped before the table
         logger.info("computing speaker embedding of %r from %d reference clip(s)", name, len(references[name]))
         atomic_write(part, functools.partial(torch.save, _embed(encoder, references[name], options)))
@@ -289,8 +289,7 @@ def compute_speaker_table(
             if emb is None:
                 logger.info("computing speaker embedding of %r from %d reference clip(s)", name, len(references[name]))
                 emb = _embed(encoder, references[name], options)
-            else:
-                taken.append(part)
+            taken.append(part)  # in the table now; an unreadable one a killed run left goes too
             rows.append(emb)
             store[name] = (key, emb)
             computed.append(name)
@@ -304,7 +303,7 @@ def compute_speaker_table(
             "keys": [store[n][0] for n in all_names],
         }
         atomic_write(path, lambda fh: torch.save(data, fh))
-    for part in taken:  # in the table now
+    for part in taken:
         part.unlink(missing_ok=True)
     return SpeakerTable(names, torch.stack(rows).float(), keys, path)
 
