@@ -117,22 +117,24 @@ def test_manifest_codes_are_used_as_given_and_bad_ones_rejected(tiny_dir, demo_c
     lines = [json.loads(x) for x in demo_copy.read_text().splitlines()[:4]]
     lines = [e for e in lines] + [json.loads(x) for x in demo_copy.read_text().splitlines()[12:14]]
     rng = np.random.default_rng(0)
-    lines[0]["audio_codes"] = rng.integers(0, 256, size=(20, 16)).tolist()
+    lines[0]["audio_codes"] = rng.integers(0, 256, size=(26, 16)).tolist()  # 2.10 s of audio: 26.2 frames
     lines[1]["audio_codes"] = [[300] * 16] * 5  # outside the tiny codebook (256)
     lines[2]["audio_codes"] = [[1] * 8] * 5  # wrong width
+    lines[3]["audio_codes"] = [[1] * 16] * 5  # 5 frames for 2.64 s of audio: another clip's codes
     manifest = root / "given.jsonl"
     manifest.write_text("".join(json.dumps(e) + "\n" for e in lines))
 
     data = SpeakerClipsDataModule(str(tiny_dir), str(manifest), cache_dir=str(root / "cache"))
     report = data.prepare()
-    assert encode_counter["clips"] == 3  # lines 3..5; line 0 given, lines 1-2 rejected
+    assert encode_counter["clips"] == 2  # lines 4..5; line 0 given, lines 1-3 rejected
     bad = {r.source: r for r in report.rejected}
-    assert set(bad) == {"given.jsonl:2", "given.jsonl:3"}
+    assert set(bad) == {"given.jsonl:2", "given.jsonl:3", "given.jsonl:4"}
     assert all(r.reason == "malformed_entry" for r in bad.values())
     assert "[0, 256)" in bad["given.jsonl:2"].detail
+    assert "audio_codes has 5 frames, but its audio (2.64 s) makes about 33" in bad["given.jsonl:4"].detail
 
     index = json.loads(data.prepared_path.read_text())
     given = next(e for e in index["clips"] if e["source"] == "given.jsonl:1")
-    assert given["frames"] == 20 and given["codes"].startswith("codes/manifest/")
+    assert given["frames"] == 26 and given["codes"].startswith("codes/manifest/")
     stored = np.load(data.cache_dir / given["codes"])
     assert np.array_equal(stored, np.asarray(lines[0]["audio_codes"]))

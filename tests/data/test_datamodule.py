@@ -15,6 +15,7 @@ import torch
 
 from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
+from tts_lightning.data.manifest import CACHEDIR_TAG, ClipRecord
 from tts_lightning.data.prepare import PreparedIndex, split_validation
 from tts_lightning.data.prepare_cli import prepare_command
 from tts_lightning.data.validation import AcceptedClip
@@ -40,14 +41,27 @@ def val_audio(data: SpeakerClipsDataModule) -> set[str]:
     return {e["audio"] for e in json.loads(data.prepared_path.read_text())["clips"] if e["split"] == "val"}
 
 
+def _clip(i: int, speaker: str = "s") -> AcceptedClip:
+    record = ClipRecord(audio=Path(f"{i}.wav"), text="hi", speaker=speaker, source=f"m.jsonl:{i}")
+    return AcceptedClip(record=record, duration=1.0, content_hash=f"{i:064x}")
+
+
 def test_split_is_seeded_stable_and_never_empty():
-    clips = [AcceptedClip(record=None, duration=1.0, content_hash=f"{i:064x}") for i in range(30)]
+    clips = [_clip(i) for i in range(30)]
     a = split_validation(clips, 0.1, seed=0)
     assert len(a) == 3 and a == split_validation(list(reversed(clips)), 0.1, seed=0)
     assert a != split_validation(clips, 0.1, seed=1)
     assert len(split_validation(clips, 0.001, seed=0)) == 1  # at least one
     assert len(split_validation(clips[:2], 0.9, seed=0)) == 1  # never all
     assert split_validation(clips[:1], 0.5, seed=0) == set() and split_validation(clips, 0.0, seed=0) == set()
+
+
+def test_split_leaves_every_speaker_a_training_clip():
+    alone = _clip(99, speaker="carol")  # carol's only clip: never validation, whatever its rank
+    for seed in range(20):
+        assert alone.content_hash not in split_validation([alone, *map(_clip, range(9))], 0.2, seed=seed)
+    assert split_validation([_clip(0, "a"), _clip(1, "b")], 0.5, seed=0) == set()  # one clip each: no split
+    assert len(split_validation([alone, *map(_clip, range(9))], 0.2, seed=0)) == 2  # the count kept
 
 
 def test_split_stable_across_instances(tiny_dir, prepared):
@@ -232,6 +246,32 @@ def test_errors_name_the_manifest_and_the_speaker(tiny_dir, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"'carol' are not named by .*train\.jsonl \(its speakers: alice, bob\)"):
         make(tiny_dir, prepared, speakers=["alice", "carol"]).preparer.check_requested_speakers()
     make(tiny_dir, prepared, speakers=["bob"]).preparer.check_requested_speakers()
+
+
+def test_a_speaker_left_without_clips_is_explained_and_an_unknown_language_rejects_one_clip(
+    tiny_dir, prepared, write_tone, tmp_path
+):
+    entries = [json.loads(line) for line in prepared.read_text().splitlines()[:5]]
+    for e in entries:
+        e["audio"] = str(prepared.parent / e["audio"])
+        e.pop("ref_audio")
+    entries[4]["language"] = "en"  # the model's name is "english"
+    short = write_tone(tmp_path / "carol.wav", seconds=0.2)
+    entries.append({"audio": str(short), "text": "Hi.", "speaker": "carol"})
+    manifest = tmp_path / "mixed.jsonl"
+    manifest.write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+    with pytest.raises(
+        ValueError, match=r"'carol': 1 clip\(s\) rejected \(too_short: 1\).*--data.speakers '\[alice\]'"
+    ):
+        make(tiny_dir, manifest).preparer.plan(show_report=False)
+    plan = make(tiny_dir, manifest, speakers=["alice"]).preparer.plan(show_report=False)
+    assert (tmp_path / ".tts_lightning_cache" / "CACHEDIR.TAG").read_text() == CACHEDIR_TAG
+    assert len(plan.clips) == 4 and plan.speakers == ["alice"]
+    (bad,) = [r for r in plan.report.rejected if r.source == "mixed.jsonl:5"]
+    assert bad.reason == "malformed_entry" and "language 'en' is not supported" in bad.detail
+    with pytest.raises(ValueError, match="^data.language: language 'klingon'"):
+        make(tiny_dir, manifest, language="klingon").preparer.plan(show_report=False)
 
 
 def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys):

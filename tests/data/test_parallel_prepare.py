@@ -74,11 +74,29 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path, run_s
     assert [p for p in serial if parallel[p] != serial[p]] == []
 
 
-def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]], gate) -> None:
+class Agreement:
+    """`prepare_on_all_ranks`'s ``agree`` for forked processes, as the strategy's
+    ``reduce_boolean_decision(ok, all=True)``: every rank posts its vote, waits, reads them all."""
+
+    def __init__(self, ctx, world: int) -> None:
+        self.votes = ctx.Array("b", world)
+        self.gate = ctx.Barrier(world, timeout=300)
+
+    def __call__(self, rank: int, ok: bool) -> bool:
+        self.votes[rank] = ok
+        self.gate.wait()
+        everyone = all(self.votes)
+        self.gate.wait()  # no rank votes again before every rank has read
+        return everyone
+
+
+def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]], agreement: Agreement) -> None:
     """One rank of a run, preparing into each layout of cache folders (one per rank) in turn, twice.
     Each time as a run calls `prepare_on_all_ranks`: after ``prepare_data`` on each node's finishing
     rank (rank 0, and rank 1 when its cache folder is its own: another node's disk). The second
-    time any file check, encoding or embedding fails: a second run does none."""
+    time any file check, encoding or embedding fails: a second run does none. First, a run whose
+    validation fails on the finishing rank alone (every clip too short): both ranks stop, each
+    with its own error, none waits."""
     import tts_lightning.data.codec_cache as codec_cache
     import tts_lightning.data.prepare as prepare
     import tts_lightning.data.speakers as speakers
@@ -87,7 +105,14 @@ def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]]
     def fail(*args, **kwargs):
         raise AssertionError(f"rank {rank}: work done again {args[:1]}")
 
+    gate = agreement.gate
     try:
+        failing = DataPreparer(
+            PrepareSettings(tiny_dir, manifest, cache_dir=str(Path(layouts[0][0]).parent / "fail"), min_duration=20.0)
+        )
+        expected = (ValueError, "no usable clips") if rank == 0 else (prepare.PrepareStopped, "while validating")
+        with pytest.raises(expected[0], match=expected[1]):
+            failing.prepare_on_all_ranks(2, rank, rank == 0, agree=lambda ok: agreement(rank, ok), device="cpu")
         for again in (False, True):
             if again:
                 prepare.check_file = validation.check_file = fail
@@ -99,7 +124,7 @@ def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]]
                 if finisher:
                     preparer.read_manifests()  # prepare_data
                 gate.wait()
-                preparer.prepare_on_all_ranks(2, rank, finisher, barrier=lambda name: gate.wait(), device="cpu")
+                preparer.prepare_on_all_ranks(2, rank, finisher, agree=lambda ok: agreement(rank, ok), device="cpu")
     except BaseException:
         gate.abort()  # the other rank stops waiting
         raise
@@ -118,9 +143,11 @@ def test_ranks_sharing_a_cache_or_each_on_its_own_disk_write_the_bytes_of_one_pr
         stale.parent.mkdir(parents=True)
         stale.write_text("[]")
     ctx = multiprocessing.get_context("fork")  # the ranks start with this process's imports done
-    gate = ctx.Barrier(2, timeout=300)
+    agreement = Agreement(ctx, 2)
     layouts = [[str(c) for c in caches] for caches in (shared, node_local)]
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tiny_dir), str(manifest), layouts, gate)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, str(tiny_dir), str(manifest), layouts, agreement)) for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -13,7 +13,8 @@ import torch
 import torchaudio
 
 from tts_lightning.data.demo import demo_dir
-from tts_lightning.data.manifest import ClipRecord, load_manifest
+from tts_lightning.data.manifest import ClipRecord, ManifestResult, load_manifest
+from tts_lightning.data.prepare import validate_with_memo
 from tts_lightning.data.validation import FileCheck, ValidationConfig, check_file, files_to_check, validate_clips
 
 CONFIG = ValidationConfig(min_duration=0.5, max_duration=3.0, silence_threshold_db=-50.0)
@@ -40,6 +41,12 @@ def bad_dataset(tmp_path: Path, write_tone) -> Path:
     flac = write_tone(w / "to_cut.flac", seconds=1.0, freq=350).read_bytes()
     (w / "truncated.flac").write_bytes(flac[: len(flac) // 2])
     (w / "to_cut.flac").unlink()
+    # Loud channels, nothing to hear: a constant offset, and stereo whose mono mix cancels out.
+    sf.write(w / "dc.wav", np.full(24_000, 0.05, dtype=np.float32), 24_000)
+    tone = sf.read(write_tone(w / "antiphase.wav", seconds=1.0, freq=360), dtype="float32")[0]
+    sf.write(w / "antiphase.wav", np.stack([tone, -tone], axis=1), 24_000)
+    write_tone(w / "ref_text.wav", seconds=1.0, freq=370)
+    write_tone(w / "ref_silent.wav", seconds=1.0, freq=380)
 
     entries = [
         ("wavs/good.wav", "Good clip."),
@@ -58,6 +65,10 @@ def bad_dataset(tmp_path: Path, write_tone) -> Path:
     ]
     lines = [json.dumps({"audio": a, "text": t, "ref_audio": "wavs/good.wav"}) for a, t in entries]
     lines.append(json.dumps({"audio": "wavs/noref.wav", "text": "Bad ref.", "ref_audio": "wavs/gone.wav"}))
+    lines.append(json.dumps({"audio": "wavs/dc.wav", "text": "Only an offset."}))
+    lines.append(json.dumps({"audio": "wavs/antiphase.wav", "text": "Opposite phase."}))
+    lines.append(json.dumps({"audio": "wavs/ref_text.wav", "text": "Ref is text.", "ref_audio": "wavs/text.wav"}))
+    lines.append(json.dumps({"audio": "wavs/ref_silent.wav", "text": "Ref is mute.", "ref_audio": "wavs/silent.wav"}))
     lines.append("{broken json")
     (root / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root / "train.jsonl"
@@ -82,13 +93,22 @@ def test_every_rejection_reason_from_real_files_reaches_the_json_report(bad_data
         "train.jsonl:12": "unreadable_audio",
         "train.jsonl:13": "missing_file",
         "train.jsonl:14": "missing_ref_audio",
-        "train.jsonl:15": "malformed_entry",
+        "train.jsonl:15": "silent",
+        "train.jsonl:16": "silent",
+        "train.jsonl:17": "unreadable_audio",
+        "train.jsonl:18": "silent",
+        "train.jsonl:19": "malformed_entry",
     }
     assert {s: r.reason for s, r in by_source.items()} == expected
     assert "train.jsonl:1" in by_source["train.jsonl:3"].detail  # names the clip it duplicates
     assert "empty" in by_source["train.jsonl:9"].detail
     assert "truncated" in by_source["train.jsonl:11"].detail
     assert by_source["train.jsonl:13"].audio.endswith("missing.wav")
+    assert by_source["train.jsonl:17"].detail.startswith(f"reference audio {bad_dataset.parent / 'wavs' / 'text.wav'}:")
+    assert (
+        by_source["train.jsonl:18"].detail.startswith("reference audio")
+        and "dBFS" in by_source["train.jsonl:18"].detail
+    )
 
     out = report.write_json(tmp_path / "reports" / "validation.json")
     saved = json.loads(out.read_text())
@@ -97,11 +117,11 @@ def test_every_rejection_reason_from_real_files_reaches_the_json_report(bad_data
     assert saved["speakers"] == {"spk": 2}
     assert {(r["source"], r["reason"]) for r in saved["rejections"]} == set(expected.items())
     assert all(set(r) == {"source", "audio", "reason", "detail"} for r in saved["rejections"])
-    assert saved["rejection_reasons"]["unreadable_audio"] == 4
+    assert saved["rejection_reasons"]["unreadable_audio"] == 5
     assert [p.name for p in out.parent.iterdir()] == ["validation.json"]  # no temp file left behind
 
     summary = report.summary()
-    assert "accepted 2 clips" in summary and "unreadable_audio: 4" in summary
+    assert "accepted 2 clips" in summary and "unreadable_audio: 5" in summary
 
 
 def test_files_checked_ahead_in_shares_give_the_same_report(bad_dataset: Path, tmp_path: Path, monkeypatch) -> None:
@@ -219,3 +239,15 @@ def test_speaking_rate_rejects_a_mismatched_transcript_and_accepts_natural_speed
     assert {r.source for r in strict.rejected} >= {"x:2", "x:3"}
     alone = validate_clips([ClipRecord(extra[0].audio, five_sentences, "carol", "x:1")])
     assert alone.rejected[0].reason == "transcript_mismatch" and "above the maximum" in alone.rejected[0].detail
+
+
+def test_a_check_of_a_file_changed_since_is_done_again(tmp_path: Path, write_tone) -> None:
+    """The ranks of a run check the files before the memo is written: a check of a file rewritten
+    in between must not be remembered under the new file's size and time."""
+    path = write_tone(tmp_path / "a.wav", seconds=1.0)
+    stale = check_file(path, CONFIG)
+    write_tone(path, seconds=2.0, freq=300)
+    manifest = ManifestResult([ClipRecord(path, "Hello there.", "s", "m.jsonl:1")], [])
+    report = validate_with_memo(manifest, CONFIG, tmp_path / "memo.json", checks={path: stale})
+    assert report.accepted[0].duration == pytest.approx(2.0)
+    assert report.accepted[0].content_hash == hashlib.sha256(path.read_bytes()).hexdigest()

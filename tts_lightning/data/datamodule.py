@@ -312,7 +312,7 @@ class SpeakerClipsDataModule(LightningDataModule):
             strategy = self.trainer.strategy
             self.preparer.prepare_on_all_ranks(
                 *distributed,
-                barrier=strategy.barrier,
+                agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),
                 device=self.settings.prepare_device or str(strategy.root_device),
             )
         index = self.read_prepared()

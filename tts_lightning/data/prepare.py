@@ -8,6 +8,7 @@ very same JSON (``PREPARED_VERSION`` 1) as before it was typed.
 
 Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_cache``)::
 
+    CACHEDIR.TAG                   marks the folder as a cache: a folder manifest (and backups) skip it
     report.json                    accepted / rejected clips and why
     prepared.json                  the settings, the speakers and every clip (hash, text, speaker,
                                    language, frames, codes file, train/val split)
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,8 +34,9 @@ from typing import Any, Literal
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
-from tts_lightning.data.codec_cache import CodecCache
-from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest
+from tts_lightning.data.audio import TARGET_SAMPLE_RATE
+from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache
+from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest, write_cachedir_tag
 from tts_lightning.data.progress import EncodeProgress
 from tts_lightning.data.speakers import compute_speaker_table, embed_speakers, select_references
 from tts_lightning.data.subtitles import Segment, cut_subtitled, subtitle_speakers
@@ -53,7 +56,7 @@ from tts_lightning.model.sequence import SpecialIds
 logger = logging.getLogger(__name__)
 
 PREPARED_VERSION = 1
-VALIDATION_MEMO_VERSION = 2
+VALIDATION_MEMO_VERSION = 3
 CACHE_DIR_NAME = ".tts_lightning_cache"
 
 
@@ -73,14 +76,24 @@ def default_cache_dir(manifest: str | os.PathLike) -> Path:
 
 def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) -> set[str]:
     """Content hashes of the validation clips: the ``round(val_fraction * n)`` clips (at least 1
-    when val_fraction > 0 and n >= 2, never all) with the smallest seeded hash. Depends only on
-    the seed and the clips' contents, not on manifest order, so it is stable across runs."""
+    when val_fraction > 0 and n >= 2, never all) with the smallest seeded hash, passing over a clip
+    that would leave its speaker without a training clip (so fewer, or none, when every speaker has
+    one clip). Depends only on the seed and the clips' contents and speakers, not on manifest order,
+    so it is stable across runs."""
     n = len(clips)
     if val_fraction <= 0 or n < 2:
         return set()
     n_val = min(n - 1, max(1, round(val_fraction * n)))
     ranked = sorted(clips, key=lambda c: hashlib.sha256(f"{seed}:{c.content_hash}".encode()).hexdigest())
-    return {c.content_hash for c in ranked[:n_val]}
+    left = Counter(c.record.speaker for c in clips)  # training clips each speaker still has
+    chosen: set[str] = set()
+    for c in ranked:
+        if len(chosen) == n_val:
+            break
+        if left[c.record.speaker] > 1:
+            left[c.record.speaker] -= 1
+            chosen.add(c.content_hash)
+    return chosen
 
 
 def _file_stamp(path: Path | None) -> list[int] | None:
@@ -139,7 +152,10 @@ def validate_with_memo(
     report = read_validation_memo(manifest, config, memo_path, fingerprint)
     if report is not None:
         return report
-    report = validate_clips(manifest.records, config, manifest_rejections=manifest.rejected, checks=checks)
+    # A check of a file changed since (stamped before it was read) is done again: the memo must
+    # never pair the stamps of one content with the results of another.
+    fresh = {f: c for f, c in (checks or {}).items() if c.stamp is not None and c.stamp == _file_stamp(f)}
+    report = validate_clips(manifest.records, config, manifest_rejections=manifest.rejected, checks=fresh)
     position = {id(r): i for i, r in enumerate(manifest.records)}
     atomic_write_json(
         memo_path,
@@ -160,6 +176,11 @@ def load_codes_shape(path: Path) -> tuple[int, ...]:
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, _, _ = read(fh)
     return tuple(shape)
+
+
+class PrepareStopped(RuntimeError):
+    """Raised on the ranks of a run whose own step of `DataPreparer.prepare_on_all_ranks` went
+    well when another rank's failed (that rank raises its own error)."""
 
 
 # -- the settings ---------------------------------------------------------------------------------
@@ -434,12 +455,12 @@ class DataPreparer:
         return Prepared(plan.report, self.write_index(plan))
 
     def prepare_on_all_ranks(
-        self, world: int, rank: int, finisher: bool, *, barrier: Callable[[str], None], device: str
+        self, world: int, rank: int, finisher: bool, *, agree: Callable[[bool], bool], device: str
     ) -> None:
         """`prepare`, split over the ranks of a run (called on every rank, after one process per
         node read the manifests). Each step that reads every clip is split the same way: each rank
-        does every ``world``-th item and leaves its results in the cache folder; after a barrier the
-        finishing rank combines them, doing itself whatever it cannot see (nothing when
+        does every ``world``-th item and leaves its results in the cache folder; once all ranks are
+        done the finishing rank combines them, doing itself whatever it cannot see (nothing when
         ``cache_dir`` is shared storage; the other nodes' shares when each node has its own disk).
 
         1. Validation: each rank checks its share of the audio files (`check_file`, into
@@ -450,37 +471,64 @@ class DataPreparer:
            are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
            rank completes both and writes the index.
 
-        Everything is written with the bytes a single process writes; all ranks wait for each
-        finishing step. ``barrier(name)`` is the strategy's own (no tensors, any backend).
+        Everything is written with the bytes a single process writes. ``agree(ok)`` is a
+        collective of all ranks (the strategy's ``reduce_boolean_decision(ok, all=True)``): True
+        when every rank's step succeeded. It ends each step, so it is the barrier between them too,
+        and a step that fails on one rank (e.g. the finishing rank's validation finds no usable
+        clip) stops every rank: that rank raises its error, the others `PrepareStopped`, instead
+        of waiting at the next barrier until the process group times out.
         """
-        config = self.settings.validation_config()
-        files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
-        parts = self._checks_parts(files, world)  # one name per rank, from one stat of every file
-        part = parts[rank]
-        if files:
-            atomic_write_json(part, [[str(f), asdict(check_file(f, config))] for f in files[rank::world]])
-        barrier("tts_lightning.prepare.checked")
-        plan = self.plan(checks=self._gather_checks(files, parts, config)) if finisher else None
-        barrier("tts_lightning.prepare.validated")
-        part.unlink(missing_ok=True)  # every finishing rank has read it
-        if finisher:  # parts an interrupted run left under other names (other files or world size)
-            for stale in set(part.parent.glob("*.json")) - set(parts):
-                stale.unlink(missing_ok=True)
-        if plan is None:
-            plan = self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
 
-        ordered = sorted(plan.clips, key=lambda c: (c.duration, c.content_hash))
-        self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
-        self.embed(plan, plan.speakers[rank::world])
-        barrier("tts_lightning.prepare.encoded")
-        if finisher:  # verifies every file: a node-local disk may hold another node's share from an older run
-            self.encode(plan.clips, device=device)
-            self.write_index(plan)
-        barrier("tts_lightning.prepare.indexed")
+        def together(step: str, work: Callable[[], Any]) -> Any:
+            error: Exception | None = None
+            try:
+                result = work()
+            except Exception as exc:  # raised below, once every rank knows
+                error, result = exc, None
+            if not agree(error is None):
+                if error is not None:
+                    raise error
+                raise PrepareStopped(f"rank {rank}: preparing the data stopped while {step}: another rank failed")
+            return result
+
+        config = self.settings.validation_config()
+
+        def check() -> tuple[list[Path], list[Path]]:
+            files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
+            parts = self._checks_parts(files, world)  # one name per rank, from one stat of every file
+            if files:
+                atomic_write_json(parts[rank], [[str(f), asdict(check_file(f, config))] for f in files[rank::world]])
+            return files, parts
+
+        files, parts = together("checking the audio files", check)
+        plan: Plan | None = together(
+            "validating", lambda: self.plan(checks=self._gather_checks(files, parts, config)) if finisher else None
+        )
+
+        def encode() -> None:
+            parts[rank].unlink(missing_ok=True)  # every finishing rank has read it
+            if finisher:  # parts an interrupted run left under other names (other files or world size)
+                for stale in set(parts[rank].parent.glob("*.json")) - set(parts):
+                    stale.unlink(missing_ok=True)
+            mine = plan or self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
+            ordered = sorted(mine.clips, key=lambda c: (c.duration, c.content_hash))
+            self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
+            self.embed(mine, mine.speakers[rank::world])
+
+        together("encoding", encode)
+
+        def index() -> None:
+            if finisher:  # verifies every file: a node-local disk may hold another node's share from an older run
+                assert plan is not None
+                self.encode(plan.clips, device=device)
+                self.write_index(plan)
+
+        together("writing the index", index)
 
     def read_manifests(self) -> None:
         """Read the manifests, cutting long subtitled recordings into clips: what a run of several
         processes does once per node (``prepare_data``) before its ranks read them together."""
+        self._tag_cache_dir()
         for path in filter(None, (self.settings.train_manifest, self.settings.val_manifest)):
             self._read_manifest(path)
 
@@ -499,7 +547,9 @@ class DataPreparer:
     def _checks_parts(self, files: list[Path], world: int) -> list[Path]:
         """Where each rank leaves its checks of ``files``: named by the files (with their size and
         modification time) and the settings, so a part an interrupted run left is never taken."""
-        h = hashlib.sha256(json.dumps(asdict(self.settings.validation_config())).encode())
+        h = hashlib.sha256(
+            json.dumps({"version": VALIDATION_MEMO_VERSION, **asdict(self.settings.validation_config())}).encode()
+        )
         for f in files:
             h.update(repr((str(f), _file_stamp(f))).encode())
         folder = self.cache_dir / "validation" / "parts"
@@ -535,6 +585,8 @@ class DataPreparer:
         the clips, speakers, split and languages; write the report when ``write_report`` and show
         it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
+        if write_report:
+            self._tag_cache_dir()
         ids = SpecialIds.from_config(self.info.config)
         config = s.validation_config()
         cache = self.codec_cache()
@@ -562,9 +614,15 @@ class DataPreparer:
                 else:
                     kept.append(c)
             val.accepted = kept
+        if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
+            try:
+                ids.language_id(s.language)
+            except ValueError as exc:
+                raise ValueError(f"data.language: {exc}") from None
         for rep in (train, val):
             if rep is not None:
                 _reject_bad_codes(rep, cache)
+                _reject_unknown_languages(rep, ids, s.language)
 
         report = ValidationReport(
             accepted=train.accepted + (val.accepted if val else []),
@@ -584,14 +642,19 @@ class DataPreparer:
         speakers = self.requested_speakers()
         missing = [name for name in speakers if name not in found]
         if missing:
-            why = (
-                "not found among the accepted training clips"
-                if s.speakers is not None
-                else "named by the manifest, but all of its clips were rejected"
-            )
+            speaker_of = {r.source: r.speaker for r in train_manifest.records}
+            whys = []
+            for name in missing:
+                reasons = Counter(r.reason for r in train.rejected if speaker_of.get(r.source) == name)
+                counts = ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common())
+                whys.append(
+                    f"{name!r}: " + (f"{sum(reasons.values())} clip(s) rejected ({counts})" if reasons else "no clip")
+                )
+            keep = "[" + ", ".join(found) + "]"
             raise ValueError(
-                f"speaker(s) {', '.join(map(repr, missing))} {why} of {s.train_manifest} "
-                f"(speakers with accepted clips: {', '.join(found) or 'none'}; see {self.report_path})"
+                f"no accepted training clip of speaker(s) {'; '.join(whys)} in {s.train_manifest} (see "
+                f"{self.report_path}). Speakers with accepted clips: {', '.join(found) or 'none'}. Fix those clips"
+                + (f", or train without them: --data.speakers '{keep}' (data.speakers in a config)" if found else "")
             )
         chosen = set(speakers)
 
@@ -612,14 +675,7 @@ class DataPreparer:
         if skipped and write_report:
             rank_zero_info(f"{skipped} accepted clip(s) of other speakers are not used (speakers={speakers})")
 
-        languages = {}
-        for c in clips:
-            lang = s.language or c.record.language
-            try:
-                ids.language_id(lang)
-            except ValueError as exc:
-                raise ValueError(f"{c.record.source}: {exc}") from None
-            languages[c.content_hash] = lang
+        languages = {c.content_hash: s.language or c.record.language for c in clips}  # checked above
         return Plan(report, speakers, clips, val_hashes, languages)
 
     def codec_cache(self, device: str | None = None) -> CodecCache:
@@ -742,6 +798,14 @@ class DataPreparer:
             encoding=s.manifest_encoding,
         )
 
+    def _tag_cache_dir(self) -> None:
+        """Mark the cache folder as a cache (CACHEDIR.TAG) before anything is written in it: a
+        folder manifest that holds it does not read it as data, and backup tools skip it."""
+        try:
+            write_cachedir_tag(self.cache_dir)
+        except OSError:
+            pass  # an unwritable folder: the first real write names it (WriteError)
+
     def _validation_memo(self, manifest: str) -> Path:
         name = hashlib.sha256(str(Path(manifest).expanduser().absolute()).encode()).hexdigest()[:16]
         return self.cache_dir / "validation" / f"{name}.json"
@@ -771,12 +835,43 @@ class DataPreparer:
             rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
 
 
-def _reject_bad_codes(report: ValidationReport, cache: CodecCache) -> None:
+def _reject(report: ValidationReport, problem: Callable[[AcceptedClip], str | None]) -> None:
+    """Move the accepted clips with a ``problem`` to the rejected ones (``malformed_entry``)."""
     kept = []
     for c in report.accepted:
-        problem = cache.check_given_codes(c)
-        if problem is None:
+        why = problem(c)
+        if why is None:
             kept.append(c)
         else:
-            report.rejected.append(Rejection(c.record.source, str(c.record.audio), "malformed_entry", problem))
+            report.rejected.append(Rejection(c.record.source, str(c.record.audio), "malformed_entry", why))
     report.accepted = kept
+
+
+def _reject_bad_codes(report: ValidationReport, cache: CodecCache) -> None:
+    """Manifest ``audio_codes`` that are malformed, or too many or too few frames for the clip's audio
+    (the codes of another clip: the codec makes 12.5 frames per second)."""
+
+    def problem(c: AcceptedClip) -> str | None:
+        why = cache.check_given_codes(c)
+        if why is not None or c.record.audio_codes is None:
+            return why
+        frames, expected = len(c.record.audio_codes), c.duration * TARGET_SAMPLE_RATE / SAMPLES_PER_FRAME
+        if abs(frames - expected) > max(2.0, 0.1 * expected):
+            return (
+                f"audio_codes has {frames} frames, but its audio ({c.duration:.2f} s) makes about {expected:.0f} "
+                f"at {TARGET_SAMPLE_RATE / SAMPLES_PER_FRAME:g} frames per second: the codes of another clip?"
+            )
+        return None
+
+    _reject(report, problem)
+
+
+def _reject_unknown_languages(report: ValidationReport, ids: SpecialIds, language: str | None) -> None:
+    def problem(c: AcceptedClip) -> str | None:
+        try:
+            ids.language_id(language or c.record.language)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    _reject(report, problem)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ MIN_CLIPS_FOR_RATE_STATS = 5  # fewer clips of a speaker: only the absolute limi
 class ValidationConfig:
     min_duration: float = 0.5  # seconds
     max_duration: float = 30.0  # seconds
-    silence_threshold_db: float = -50.0  # clip RMS below this dBFS counts as silent
+    silence_threshold_db: float = -50.0  # RMS of the mono mix (DC removed) below this dBFS: silent
     # Clipping, measured on the decoded source samples (before any normalisation).
     clip_level: float = 0.999  # |sample| at or above this counts as at full scale
     max_clipped_fraction: float = 0.001  # more samples than this share at full scale: `clipped`
@@ -140,8 +141,15 @@ class ValidationReport:
         )
 
 
-def _rms_dbfs(samples) -> float:
-    rms = float(samples.double().pow(2).mean().sqrt())
+def _mono(samples: torch.Tensor) -> torch.Tensor:
+    """The mix that is encoded, its DC offset removed: a constant offset or two channels in
+    opposite phase carry no speech, whatever each channel's level."""
+    mono = samples.mean(dim=0) if samples.dim() == 2 else samples
+    return mono - mono.mean()
+
+
+def _rms_dbfs(mono: torch.Tensor) -> float:
+    rms = float(torch.linalg.vector_norm(mono, dtype=torch.float64)) / math.sqrt(max(mono.numel(), 1))
     return 20.0 * math.log10(rms) if rms > 0 else float("-inf")
 
 
@@ -156,9 +164,8 @@ def count_characters(text: str) -> int:
 
 
 def speech_seconds(samples: torch.Tensor, sample_rate: int) -> float:
-    """Duration without leading/trailing silence (`trim_edge_silence` on the mono mix)."""
-    mono = samples.mean(dim=0) if samples.dim() == 2 else samples
-    return trim_edge_silence(mono, sample_rate).shape[-1] / sample_rate
+    """Duration without leading/trailing silence (`trim_edge_silence` on the DC-free mono mix)."""
+    return trim_edge_silence(_mono(samples), sample_rate).shape[-1] / sample_rate
 
 
 def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: ValidationConfig) -> dict[int, str]:
@@ -206,31 +213,41 @@ class FileCheck:
     duration: float = 0.0  # seconds, decoded
     speech: float = 0.0  # seconds without edge silence
     clipped: str | None = None  # detail of a clipped clip that the config flags rather than rejects
+    stamp: list[int] | None = (
+        None  # [size, mtime_ns] before the file was read: a check of a file changed since is stale
+    )
 
 
 def check_file(path: Path, config: ValidationConfig) -> FileCheck:
     """Read, hash, decode and check one audio file: unreadable, too short / too long (from the
     header, so an hour-long file is not decoded), silent, clipped."""
     try:
+        st = os.stat(path)
         data = path.read_bytes()
     except OSError as exc:
         return FileCheck(reason="unreadable_audio", detail=f"cannot read {path}: {exc.strerror or exc}")
-    digest = hashlib.sha256(data).hexdigest()
+    digest, stamp = hashlib.sha256(data).hexdigest(), [st.st_size, st.st_mtime_ns]
+    return replace(_check_bytes(path, data, config), digest=digest, stamp=stamp)
+
+
+def _check_bytes(path: Path, data: bytes, config: ValidationConfig) -> FileCheck:
+    """`check_file` on the file's bytes (its digest and stamp are `check_file`'s to add)."""
     try:
         info = probe_audio(path, data=data)
         if info.duration < config.min_duration:
             detail = f"{info.duration:.2f} s is shorter than min_duration {config.min_duration} s"
-            return FileCheck(digest, "too_short", detail)
+            return FileCheck(reason="too_short", detail=detail)
         if info.duration > config.max_duration:
             detail = f"{info.duration:.2f} s is longer than max_duration {config.max_duration} s"
-            return FileCheck(digest, "too_long", detail)
+            return FileCheck(reason="too_long", detail=detail)
         samples, rate = read_audio(path, data=data)
     except AudioReadError as exc:
-        return FileCheck(digest, "unreadable_audio", exc.reason)
-    level = _rms_dbfs(samples)
+        return FileCheck(reason="unreadable_audio", detail=exc.reason)
+    mono = _mono(samples)
+    level = _rms_dbfs(mono)
     if level < config.silence_threshold_db:
         shown = "-inf" if math.isinf(level) else f"{level:.1f}"
-        return FileCheck(digest, "silent", f"RMS level {shown} dBFS is below {config.silence_threshold_db} dBFS")
+        return FileCheck(reason="silent", detail=f"RMS level {shown} dBFS is below {config.silence_threshold_db} dBFS")
     clipped, flagged = clipped_fraction(samples, config.clip_level), None
     if clipped > config.max_clipped_fraction:
         flagged = (
@@ -238,10 +255,11 @@ def check_file(path: Path, config: ValidationConfig) -> FileCheck:
             f"(limit {100 * config.max_clipped_fraction:.2f}%): the recording is clipped"
         )
         if config.clipped_action == "reject":
-            return FileCheck(digest, "clipped", flagged)
+            return FileCheck(reason="clipped", detail=flagged)
     # Decoded length, not the header's: compressed formats may only estimate it.
     duration = samples.shape[1] / rate
-    return FileCheck(digest, duration=duration, speech=speech_seconds(samples, rate), clipped=flagged)
+    speech = trim_edge_silence(mono, rate).shape[-1] / rate  # `speech_seconds`, the mix made once
+    return FileCheck(duration=duration, speech=speech, clipped=flagged)
 
 
 def _precheck(rec: ClipRecord) -> tuple[str, str] | None:
@@ -257,8 +275,19 @@ def _precheck(rec: ClipRecord) -> tuple[str, str] | None:
 
 def files_to_check(records: Iterable[ClipRecord]) -> list[Path]:
     """The distinct audio files `validate_clips` reads for ``records`` (the records that pass the
-    checks that read no audio), in order: what `check_file` can do ahead of it."""
-    return list(dict.fromkeys(rec.audio for rec in records if _precheck(rec) is None))
+    checks that read no audio: their audio and reference audio), in order: what `check_file` can do
+    ahead of it."""
+    files: dict[Path, None] = {}
+    for rec in records:
+        if _precheck(rec) is None:
+            files[rec.audio] = None
+            if rec.ref_audio is not None:
+                files[rec.ref_audio] = None
+    return list(files)
+
+
+# A reference clip only feeds the speaker embedding: it must be readable speech, of any length.
+_BAD_REFERENCE = ("unreadable_audio", "silent")
 
 
 def validate_clips(
@@ -272,9 +301,10 @@ def validate_clips(
 
     Checks, in order: missing file, duplicate path, empty transcript, missing ref_audio,
     duplicate content (sha256 of the file bytes), unreadable/corrupt audio, duration
-    outside [min, max], silence, clipping; then, over all the clips that passed, the speaking
-    rate of each against its speaker's (`transcript_mismatch`). A clip is a duplicate only of an
-    earlier clip that passed the per-clip checks. Clipping and mismatches are rejected or, as the
+    outside [min, max], silence (of the DC-free mono mix), clipping, an unreadable or silent
+    ref_audio; then, over all the clips that passed, the speaking rate of each against its
+    speaker's (`transcript_mismatch`). A clip is a duplicate only of an earlier clip that passed
+    the per-clip checks. Clipping and mismatches are rejected or, as the
     config says, kept and listed in ``report.warnings``. ``checks``: `check_file` results already
     computed (e.g. by several processes); a file without one is checked here.
     """
@@ -284,6 +314,7 @@ def validate_clips(
     seen_paths: dict[Path, str] = {}
     seen_hashes: dict[str, str] = {}
     measured: list[tuple[AcceptedClip, float]] = []  # (clip, seconds of speech)
+    ref_checks: dict[Path, FileCheck] = {}
 
     for rec in records:
         audio = str(rec.audio)
@@ -308,6 +339,13 @@ def validate_clips(
         if check.reason is not None or check.digest is None:
             reject(check.reason or "unreadable_audio", check.detail)
             continue
+        if rec.ref_audio is not None:
+            if rec.ref_audio not in ref_checks:
+                ref_checks[rec.ref_audio] = checks.get(rec.ref_audio) or check_file(rec.ref_audio, config)
+            ref = ref_checks[rec.ref_audio]
+            if ref.digest is None or ref.reason in _BAD_REFERENCE:
+                reject(ref.reason or "unreadable_audio", f"reference audio {rec.ref_audio}: {ref.detail}")
+                continue
         if check.clipped is not None:
             report.warnings.append(Rejection(rec.source, audio, "clipped", check.clipped))
         seen_paths[rec.audio] = rec.source
