@@ -8,6 +8,7 @@ so running the same command again after freeing space continues where it stopped
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -159,9 +160,21 @@ def _size(path: Path) -> int:
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # the only way to read it; set back at once
-    os.umask(mask)
-    return mask
+    try:  # Linux: read it without changing it (other threads may be creating files)
+        with open("/proc/self/status", encoding="ascii") as fh:
+            return next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)  # elsewhere, the only way to read it; set back at once
+        os.umask(mask)
+        return mask
+
+
+def _follow_umask(apply: Callable[[int], None], mode: int) -> None:
+    """mkstemp makes 0600 files and mkdtemp 0700 folders: a cache or an export shared with other
+    users must stay readable to them. A file system without permissions (some CIFS/FUSE mounts)
+    refuses the chmod; what it shows then is its own business."""
+    with contextlib.suppress(OSError):
+        apply(mode & ~_umask())
 
 
 def atomic_write(
@@ -175,7 +188,7 @@ def atomic_write(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600: a shared cache must stay readable
+        _follow_umask(lambda mode: os.fchmod(fd, mode), 0o666)
         with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as fh:
             write(fh)
         os.replace(tmp, path)
@@ -209,7 +222,7 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the files inside follow the umask
+        _follow_umask(tmp.chmod, 0o777)
         yield tmp
     except BaseException as exc:
         written = _size(tmp) if tmp is not None else None

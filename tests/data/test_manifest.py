@@ -202,7 +202,9 @@ def test_ljspeech_quoted_field_with_one_pipe_and_unbalanced_quotes(tmp_path: Pat
         'LJ002| "Spaced | quote"|\n'
         'LJ003|He said "hi|He said "hi\n'  # LJSpeech's own unbalanced quotes stay text
         'LJ004|"Hello," she said.|"Hello," she said.\n'
-        'LJ005|"open quote\n',
+        'LJ005|"open quote\n'
+        'LJ006|"Hello world"|"Hello world"\n'  # quotes around no '|': the text's own
+        'LJ007|"a | b" \n',  # a space after the closing quote
         encoding="utf-8",
     )
     result = load_manifest(csv_path)
@@ -213,6 +215,8 @@ def test_ljspeech_quoted_field_with_one_pipe_and_unbalanced_quotes(tmp_path: Pat
         'He said "hi',
         '"Hello," she said.',
         '"open quote',
+        '"Hello world"',
+        "a | b",
     ]
 
 

@@ -94,6 +94,9 @@ def test_short_cues_merge_up_to_the_target_but_never_across_a_speaker_change(rec
 
 
 def test_webvtt_voices_markup_and_errors_name_file_and_line(tmp_path):
+    numbered = tmp_path / "n.srt"  # a cue number separated from its timing by a blank line
+    numbered.write_text("1\n00:00:01,000 --> 00:00:02,000\nHello there.\n\n2\n\n00:00:02,000 --> 00:00:03,000\nBye.\n")
+    assert [c.text for c in parse_subtitles(numbered)] == ["Hello there.", "Bye."]
     vtt = tmp_path / "a.vtt"
     vtt.write_text(
         "WEBVTT - a title\nKind: captions\nLanguage: en\n\nNOTE a comment\n\n"
@@ -218,6 +221,9 @@ def test_markup_entities_and_speaker_labels(tmp_path):
     ]
     with pytest.raises(SubtitleError, match=r"a\.srt:24: cue 6"):
         parse_subtitles(srt)
+    numbered = tmp_path / "n.srt"  # a cue number separated from its timing by a blank line
+    numbered.write_text("1\n00:00:01,000 --> 00:00:02,000\nHello there.\n\n2\n\n00:00:02,000 --> 00:00:03,000\nBye.\n")
+    assert [c.text for c in parse_subtitles(numbered)] == ["Hello there.", "Bye."]
     vtt = tmp_path / "a.vtt"
     vtt.write_text(
         "WEBVTT\n\n00:01.000 --> 00:02.000\nTom &amp; Jerry &lt;3 &nbsp;ok\n\n"
@@ -264,6 +270,10 @@ def test_an_edited_srt_leaves_no_old_cut_behind(two_recordings, tmp_path):
     # a's earlier cut is gone; b's (another recording's) is kept.
     assert sorted(segments_dir.iterdir()) == sorted({Path(segments[0].audio).parent, b_folder})
     assert Path(segments[0].audio).parent != a_folder
+    # A cut of the same files with other settings (another run's, perhaps being read) is kept.
+    _, merged = cut_subtitled(load_manifest(two_recordings), segments_dir, target_seconds=10.0)
+    assert {Path(seg.audio).parent for seg in segments + merged} == set(segments_dir.iterdir())
+    assert len(list(segments_dir.iterdir())) == 4
 
 
 def test_prepare_validates_encodes_once_and_reports_the_segments(recording, tiny_dir, tmp_path):

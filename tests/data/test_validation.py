@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +48,8 @@ def bad_dataset(tmp_path: Path, write_tone) -> Path:
     sf.write(w / "antiphase.wav", np.stack([tone, -tone], axis=1), 24_000)
     write_tone(w / "ref_text.wav", seconds=1.0, freq=370)
     write_tone(w / "ref_silent.wav", seconds=1.0, freq=380)
+    write_tone(w / "ref_long_silent.wav", seconds=1.0, freq=390)
+    sf.write(w / "silent_long.wav", np.zeros(84_000, dtype=np.float32), 24_000)  # 3.5 s: past max_duration
 
     entries = [
         ("wavs/good.wav", "Good clip."),
@@ -69,6 +72,11 @@ def bad_dataset(tmp_path: Path, write_tone) -> Path:
     lines.append(json.dumps({"audio": "wavs/antiphase.wav", "text": "Opposite phase."}))
     lines.append(json.dumps({"audio": "wavs/ref_text.wav", "text": "Ref is text.", "ref_audio": "wavs/text.wav"}))
     lines.append(json.dumps({"audio": "wavs/ref_silent.wav", "text": "Ref is mute.", "ref_audio": "wavs/silent.wav"}))
+    lines.append(
+        json.dumps(
+            {"audio": "wavs/ref_long_silent.wav", "text": "A long mute ref.", "ref_audio": "wavs/silent_long.wav"}
+        )
+    )
     lines.append("{broken json")
     (root / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root / "train.jsonl"
@@ -97,7 +105,8 @@ def test_every_rejection_reason_from_real_files_reaches_the_json_report(bad_data
         "train.jsonl:16": "silent",
         "train.jsonl:17": "unreadable_audio",
         "train.jsonl:18": "silent",
-        "train.jsonl:19": "malformed_entry",
+        "train.jsonl:19": "silent",  # a reference longer than max_duration is decoded all the same
+        "train.jsonl:20": "malformed_entry",
     }
     assert {s: r.reason for s, r in by_source.items()} == expected
     assert "train.jsonl:1" in by_source["train.jsonl:3"].detail  # names the clip it duplicates
@@ -136,8 +145,14 @@ def test_files_checked_ahead_in_shares_give_the_same_report(bad_dataset: Path, t
         shares = [[[str(f), asdict(check_file(f, config))] for f in files[r::2]] for r in range(2)]
         checks = {Path(f): FileCheck(**c) for share in json.loads(json.dumps(shares)) for f, c in share}
         serial = validate_clips(records, config, manifest_rejections=manifest.rejected)
+        long_ref = bad_dataset.parent / "wavs" / "silent_long.wav"  # past max_duration: decoded again as a reference
+
+        def only_the_long_reference(path, cfg):
+            assert path == long_ref and cfg.max_duration == math.inf, f"read again: {path}"
+            return check_file(path, cfg)
+
         with monkeypatch.context() as m:
-            m.setattr("tts_lightning.data.validation.check_file", lambda *a: pytest.fail(f"read again: {a[0]}"))
+            m.setattr("tts_lightning.data.validation.check_file", only_the_long_reference)
             ahead = validate_clips(records, config, manifest_rejections=manifest.rejected, checks=checks)
         assert ahead.to_dict() == serial.to_dict() and ahead.accepted == serial.accepted
     assert [w.reason for w in ahead.warnings] == ["clipped"]

@@ -370,7 +370,7 @@ class CodecCache:
     def release(self) -> None:
         """Drop the speech tokenizer (frees its memory; it is reloaded if needed again)."""
         self._tokenizer = None
-        if self.device is not None and self.device.type == "cuda":
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give its blocks back before training allocates the model
 
 

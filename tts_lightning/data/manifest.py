@@ -270,11 +270,12 @@ def _lines(text: str) -> list[str]:
 def _split_ljspeech_row(line: str) -> list[str]:
     """``id|text[|normalized]`` -> its columns.
 
-    When a field starts with a quote (``"a | b"``), the CSV-quoted reading is used if it is valid
-    quoting and yields a valid row; otherwise the plain split, as LJSpeech text holds unbalanced
-    quotes that CSV quoting would swallow (``He said "hi``, ``"Hello," she said.``). Raises
-    csv.Error for broken quoting only when the plain split is no valid row either.
+    A plain split, unless a field is CSV-quoted around a ``|`` (``"a | b"``): then the quoted
+    reading, when it is valid quoting and gives fewer columns (a valid row). Quotes that hide no
+    ``|`` are the text's own (LJSpeech has no CSV quoting: ``"Hello world"``, ``He said "hi``).
+    Raises csv.Error for broken quoting only when the plain split is no valid row either.
     """
+    line = line.rstrip()  # trailing spaces after a closing quote are not part of any field
     cols = line.split("|")
     if any(c.lstrip().startswith('"') for c in cols):
         try:
@@ -283,7 +284,7 @@ def _split_ljspeech_row(line: str) -> list[str]:
             if len(cols) in (2, 3):
                 return cols
             raise
-        if len(quoted) in (2, 3):
+        if len(quoted) < len(cols) and len(quoted) in (2, 3):
             return quoted
     return cols
 

@@ -17,6 +17,7 @@ Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_c
     codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
     speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
     speakers/parts/                embeddings computed by the ranks of a run, until the table takes them
+    segments/<tag>-<key>/          clips cut from a long recording at its subtitles (tts_lightning.data.subtitles)
 """
 
 from __future__ import annotations
@@ -588,6 +589,11 @@ class DataPreparer:
         if write_report:
             self._tag_cache_dir()
         ids = SpecialIds.from_config(self.info.config)
+        if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
+            try:
+                ids.language_id(s.language)
+            except ValueError as exc:
+                raise ValueError(f"data.language: {exc}") from None
         config = s.validation_config()
         cache = self.codec_cache()
 
@@ -614,11 +620,6 @@ class DataPreparer:
                 else:
                     kept.append(c)
             val.accepted = kept
-        if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
-            try:
-                ids.language_id(s.language)
-            except ValueError as exc:
-                raise ValueError(f"data.language: {exc}") from None
         for rep in (train, val):
             if rep is not None:
                 _reject_bad_codes(rep, cache)
@@ -650,6 +651,9 @@ class DataPreparer:
                 whys.append(
                     f"{name!r}: " + (f"{sum(reasons.values())} clip(s) rejected ({counts})" if reasons else "no clip")
                 )
+            whole = sum(1 for r in train.rejected if r.source not in speaker_of)
+            if whole:  # whole entries or recordings (a manifest line, a subtitled recording): no one clip's speaker
+                whys.append(f"and {whole} rejected manifest entry(ies) or recording(s)")
             keep = "[" + ", ".join(found) + "]"
             raise ValueError(
                 f"no accepted training clip of speaker(s) {'; '.join(whys)} in {s.train_manifest} (see "

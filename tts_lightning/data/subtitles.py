@@ -34,6 +34,8 @@ clips go through validation like any clip.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import html
 import json
@@ -42,6 +44,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +53,7 @@ import numpy as np
 import soundfile as sf
 
 from tts_lightning.data.manifest import ClipRecord, ManifestEncodingError, ManifestResult, Rejection, read_text
-from tts_lightning.files import atomic_write_json, staged_directory
+from tts_lightning.files import WriteError, atomic_write_json, staged_directory
 
 SEGMENTS_VERSION = 2
 MAX_MERGE_GAP = 1.0  # seconds of silence between two cues that may still be merged into one clip
@@ -138,7 +141,7 @@ def _clean(lines: list[str], *, names: bool) -> tuple[str, list[str], str | None
 def _is_text(block: list[str]) -> bool:
     """Whether a block without a cue timing reads as more text of the cue before it (a blank line
     inside a cue's text) rather than a cue whose timing is broken or missing."""
-    numbered = block[0].strip().isdigit() and len(block) > 1  # an SRT cue number, then something
+    numbered = block[0].strip().isdigit()  # an SRT cue number (then more, or its timing after a blank line)
     return not numbered and not any(_LOOSE_TIME.search(line) for line in block)
 
 
@@ -174,6 +177,8 @@ def parse_subtitles(
             continue
         if entries and not any("-->" in line for line in block) and _is_text(block):
             entries[-1][1].extend(block)
+        elif len(block) == 1 and block[0].strip().isdigit():
+            continue  # a cue number alone, its timing after a blank line: the next block is the cue
         else:
             entries.append((block_start, block))
 
@@ -286,7 +291,9 @@ def _decode(f: sf.SoundFile, dtype: str) -> Iterator[tuple[int, np.ndarray]]:
 
     Straight from libsndfile: `SoundFile.read` seeks to its own position after every read, and
     libsndfile's seeks are not sample-accurate for every codec (a Vorbis cut read after a seek can be
-    256 samples off; an MP3 decoder loses its bit reservoir and returns wrong samples)."""
+    256 samples off; an MP3 decoder loses its bit reservoir and returns wrong samples). It uses
+    soundfile's own bindings (``_snd``, ``_ffi``, ``_file``: unchanged from 0.10 to 0.14); the test
+    of lossy cuts compares every cut with `sf.read` of the whole file, so a change shows there."""
     ctype = _CTYPES[dtype]
     # From a seek to the start, as `sf.read` decodes: after one, an MP3 decodes a float's last bit
     # differently from a freshly opened file.
@@ -302,6 +309,16 @@ def _decode(f: sf.SoundFile, dtype: str) -> Iterator[tuple[int, np.ndarray]]:
             return
         yield position, block[:n]
         position += n
+
+
+@contextmanager
+def _writing(folder: Path) -> Iterator[None]:
+    """libsndfile's write errors (a full disk, say) as `WriteError`: they stop the run, naming the
+    folder and its free space, instead of rejecting the recording as unreadable audio."""
+    try:
+        yield
+    except (sf.SoundFileError, RuntimeError) as exc:
+        raise WriteError(folder, OSError(errno.EIO, str(exc))) from exc
 
 
 def _cut(
@@ -336,23 +353,25 @@ def _cut(
         try:
             for position, block in _decode(f, dtype):
                 total = position + len(block)
-                while waiting and spans[waiting[-1]][0] < total:
-                    j = waiting.pop()
-                    open_[j] = sf.SoundFile(folder / names[j], "w", rate, channels, subtype, format="WAV")
-                for j, out in list(open_.items()):
-                    start, end = max(spans[j][0], position), min(spans[j][1], total)
-                    if end > start:
-                        out.write(block[start - position : end - position])
-                    if spans[j][1] <= total:
-                        out.close()
-                        ends[j] = spans[j][1]
-                        del open_[j]
+                with _writing(folder):
+                    while waiting and spans[waiting[-1]][0] < total:
+                        j = waiting.pop()
+                        open_[j] = sf.SoundFile(folder / names[j], "w", rate, channels, subtype, format="WAV")
+                    for j, out in list(open_.items()):
+                        start, end = max(spans[j][0], position), min(spans[j][1], total)
+                        if end > start:
+                            out.write(block[start - position : end - position])
+                        if spans[j][1] <= total:
+                            out.close()
+                            ends[j] = spans[j][1]
+                            del open_[j]
                 if not waiting and not open_:
                     break  # the rest of the recording holds no cue
         finally:
-            for j, out in open_.items():  # cues running past the end: cut to the end
-                out.close()
-                ends[j] = total
+            with _writing(folder):
+                for j, out in open_.items():  # cues running past the end: cut to the end
+                    out.close()
+                    ends[j] = total
     segments: list[Segment] = []
     for j, group in enumerate(groups):
         if j not in ends:  # the recording decoded shorter than its header said
@@ -391,20 +410,27 @@ def _read_index(folder: Path, recording: Path, *, check_files: bool = True) -> d
         return None
 
 
-def _install(tmp: Path, folder: Path, recording: Path) -> None:
+def _install(tmp: Path, folder: Path, recording: Path, inputs: dict[str, Any]) -> None:
     """Move a finished cut into place (replacing an incomplete one, with a clip deleted, say), then
-    remove the recording's cuts under other keys: an earlier subtitle file or other settings."""
-    old = None
+    remove the recording's cuts of other ``inputs`` (an earlier recording or subtitle file); cuts of
+    the same inputs with other settings stay: another run may be reading them."""
     if _read_index(folder, recording) is not None:
-        return  # another process has just put the same cut there (and tidied up): use it
+        return  # another process has just put the same cut there: use it
+    old = None
     if folder.exists():
         old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
         try:
             os.replace(folder, old)
         except FileNotFoundError:  # another process moved it first
             old = None
+        if old is not None and _read_index(old, recording) is not None:
+            # Another process installed a good cut between the check and the move: put it back.
+            with contextlib.suppress(OSError):  # unless yet another one is in place already
+                os.replace(old, folder)
+                old = None
     try:
-        os.replace(tmp, folder)
+        if old is not None or not folder.exists():
+            os.replace(tmp, folder)
     except OSError:
         if _read_index(folder, recording) is None:  # not another process's identical cut: a real failure
             raise
@@ -413,8 +439,9 @@ def _install(tmp: Path, folder: Path, recording: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
     tag = folder.name.split("-", 1)[0]
     for other in folder.parent.glob(f"{tag}-*"):
-        # The tag is a short hash: remove only folders whose segments.json names this recording.
-        if other != folder and other.is_dir() and _read_index(other, recording, check_files=False) is not None:
+        # The tag is a short hash: only folders whose segments.json names this recording, cut from other inputs.
+        index = _read_index(other, recording, check_files=False) if other != folder and other.is_dir() else None
+        if index is not None and index.get("inputs") != inputs:
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -468,14 +495,20 @@ def cut_subtitled(
                 except (sf.SoundFileError, RuntimeError) as exc:
                     reject(str(exc), "unreadable_audio")
                     continue
+                st = os.stat(record.audio)
+                inputs = {
+                    "audio": [st.st_size, st.st_mtime_ns],
+                    "subtitles": hashlib.sha256(subs.read_bytes()).hexdigest(),
+                }
                 index = {
                     "recording": str(record.audio),
+                    "inputs": inputs,
                     "segments": [asdict(s) for s in cut],
                     "rejected": cut_rejected,
                     "files": files,
                 }
                 atomic_write_json(tmp / "segments.json", index)
-                _install(tmp, folder, record.audio)
+                _install(tmp, folder, record.audio, inputs)
         for detail in index["rejected"]:
             reject(detail)
         for seg in (Segment(**s) for s in index["segments"]):

@@ -341,7 +341,10 @@ def validate_clips(
             continue
         if rec.ref_audio is not None:
             if rec.ref_audio not in ref_checks:
-                ref_checks[rec.ref_audio] = checks.get(rec.ref_audio) or check_file(rec.ref_audio, config)
+                ref = checks.get(rec.ref_audio) or check_file(rec.ref_audio, config)
+                if ref.reason in ("too_short", "too_long"):  # judged from the header: decode it all the same
+                    ref = check_file(rec.ref_audio, replace(config, min_duration=0.0, max_duration=math.inf))
+                ref_checks[rec.ref_audio] = ref
             ref = ref_checks[rec.ref_audio]
             if ref.digest is None or ref.reason in _BAD_REFERENCE:
                 reject(ref.reason or "unreadable_audio", f"reference audio {rec.ref_audio}: {ref.detail}")
