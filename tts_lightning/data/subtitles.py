@@ -28,7 +28,8 @@ own sample format (a lossy or otherwise compressed source is written as the floa
 decodes to), under ``<cache_dir>/segments/<tag>-<key>/``: ``tag`` names the recording's path,
 ``key`` the recording (path, size, modification time), the subtitle file and the settings. A second
 run with the same inputs reads the folder's ``segments.json`` and cuts nothing, unless a clip it
-lists is missing or changed; a new cut of a recording removes its folders under other keys. The cut
+lists is missing or changed; a new cut of a recording removes its cuts of other inputs (an earlier
+recording or subtitle file; a cut with other settings stays, another run may be reading it). The cut
 clips go through validation like any clip.
 """
 
