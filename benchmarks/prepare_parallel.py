@@ -13,7 +13,7 @@ counted in either, nor is importing qwen_tts (~1 s), which a real run's `Qwen3TT
 (every file: codes, speaker table, index, report, validation memo; but the memo of file
 fingerprints, whose entries are in the order the processes wrote them). Target: 2 processes / 1 process <= 0.6.
 The pair of runs is repeated (``--repeats``, alternating 1 and 2 processes) and the median ratio
-reported: one process's time alone varies by about 10% from run to run on a shared 2-core machine.
+reported: one process's time alone varies by 10-30% from run to run on a shared 2-core machine.
 
     python benchmarks/prepare_parallel.py [--gains 10] [--repeats 3]
 """
