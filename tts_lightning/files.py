@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -235,6 +236,19 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, pattern: str, older_than: float = 3600.0) -> list[Path]:
+    """Remove the temporary files (``pattern``, e.g. ``.*.tmp``) a killed writer left in ``folder``,
+    those older than ``older_than`` seconds (never one being written now); return them."""
+    removed = []
+    now = time.time()
+    for tmp in sorted(Path(folder).glob(pattern)):
+        with contextlib.suppress(FileNotFoundError):
+            if now - tmp.stat().st_mtime > older_than:
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

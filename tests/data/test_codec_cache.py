@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 import tts_lightning.data.codec_cache as codec_cache
 from tts_lightning.data.audio import load_audio
-from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache, pad_to_frames
+from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, AudioChangedError, CodecCache, pad_to_frames
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import load_manifest
@@ -138,3 +139,13 @@ def test_manifest_codes_are_used_as_given_and_bad_ones_rejected(tiny_dir, demo_c
     assert given["frames"] == 26 and given["codes"].startswith("codes/manifest/")
     stored = np.load(data.cache_dir / given["codes"])
     assert np.array_equal(stored, np.asarray(lines[0]["audio_codes"]))
+
+
+def test_a_clip_rewritten_after_validation_is_not_encoded_under_its_old_key(tiny_dir, demo_copy):
+    clip = _accepted(demo_copy)[0]
+    wave, sr = sf.read(clip.record.audio)
+    sf.write(clip.record.audio, wave * 0.5, sr)  # edited while prepare runs
+    cache = CodecCache(demo_copy.parent / "cache", check_pretrained(tiny_dir))
+    with pytest.raises(AudioChangedError, match=f"^{re.escape(str(clip.record.audio))} changed after it was validated"):
+        cache.encode_missing([clip])
+    assert not cache.path(clip).exists()

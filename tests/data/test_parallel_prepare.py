@@ -5,7 +5,9 @@ preparer directly on one shared cache folder or on a cache folder per node."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,11 @@ def test_ranks_sharing_a_cache_or_each_on_its_own_disk_write_the_bytes_of_one_pr
         stale = cache / "validation" / "parts" / "0123456789abcdef-2-of-3.json"
         stale.parent.mkdir(parents=True)
         stale.write_text("[]")
+        # Half-written parts of ranks killed two hours ago (younger ones may be being written now).
+        for tmp in (stale.parent / ".x-0-of-2.json.ab12.tmp", cache / "speakers" / "parts" / ".k.pt.cd34.tmp"):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(b"half")
+            os.utime(tmp, (time.time() - 7200, time.time() - 7200))
     ctx = multiprocessing.get_context("fork")  # the ranks start with this process's imports done
     agreement = Agreement(ctx, 2)
     layouts = [[str(c) for c in caches] for caches in (shared, node_local)]

@@ -228,15 +228,17 @@ def load_audio(
     normalize: str | None = None,
     trim_silence: bool = False,
     trim_top_db: float = 40.0,
+    data: bytes | None = None,
 ) -> torch.Tensor:
     """Read a file as a mono float32 1-D tensor at `sample_rate`.
 
     normalize: None, "peak" (to 0.95 peak) or "rms" (to -20 dBFS, gain capped below full scale).
     trim_silence: cut edge frames quieter than `trim_top_db` below the loudest frame.
+    data: the file's bytes, when already read.
     """
     if normalize not in (None, "peak", "rms"):
         raise ValueError(f"normalize must be None, 'peak' or 'rms', got {normalize!r}")
-    wave, sr = read_audio(path)
+    wave, sr = read_audio(path, data=data)
     mono = resample(wave.mean(dim=0), sr, sample_rate)
     if trim_silence:
         mono = trim_edge_silence(mono, sample_rate, top_db=trim_top_db)

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
 from tts_lightning.data.validation import AcceptedClip
-from tts_lightning.files import atomic_write, atomic_write_json, sha256_file
+from tts_lightning.files import atomic_write, atomic_write_json, remove_stale_temporaries, sha256_file
 from tts_lightning.model.pretrained import PretrainedInfo, load_speech_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -250,15 +249,9 @@ class CodecCache:
         checked, bad files removed)."""
         folders = [self.cache_dir / "codes" / self.tokenizer_id, self.cache_dir / "codes" / MANIFEST_CODES_DIR]
         checked, removed = 0, []
-        now = time.time()
         for folder in folders:
-            for tmp in sorted(folder.glob(".*.npy.*.tmp")) if folder.is_dir() else []:
-                try:
-                    if now - tmp.stat().st_mtime > stale_after:
-                        tmp.unlink()
-                        logger.warning("codec cache: removed %s, a temporary file an interrupted write left", tmp)
-                except FileNotFoundError:
-                    pass
+            for tmp in remove_stale_temporaries(folder, ".*.npy.*.tmp", stale_after):
+                logger.warning("codec cache: removed %s, a temporary file an interrupted write left", tmp)
             for path in sorted(folder.glob("*.npy")) if folder.is_dir() else []:
                 checked += 1
                 problem = self.problem(path, full=full)
@@ -316,9 +309,16 @@ class CodecCache:
         return self._tokenizer
 
     def _load_wave(self, clip: AcceptedClip) -> np.ndarray:
-        wave = load_audio(
-            clip.record.audio, TARGET_SAMPLE_RATE, normalize=self.normalize, trim_silence=self.trim_silence
-        )
+        path = clip.record.audio
+        data = path.read_bytes()
+        # The codes are filed under the content validation hashed: a file rewritten since would
+        # leave another audio's codes under that key, used whenever the old content comes back.
+        if hashlib.sha256(data).hexdigest() != clip.content_hash:
+            raise AudioChangedError(
+                f"{path} changed after it was validated (its bytes differ from those checked): run prepare "
+                "again; it validates the new audio and encodes it"
+            )
+        wave = load_audio(path, TARGET_SAMPLE_RATE, normalize=self.normalize, trim_silence=self.trim_silence, data=data)
         return pad_to_frames(wave.numpy().astype(np.float32, copy=False))
 
     def encode_missing(
@@ -372,6 +372,10 @@ class CodecCache:
         self._tokenizer = None
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give its blocks back before training allocates the model
+
+
+class AudioChangedError(RuntimeError):
+    """A clip's audio file changed between its validation and its encoding."""
 
 
 class CacheEntryError(ValueError):

@@ -50,7 +50,7 @@ from tts_lightning.data.validation import (
     files_to_check,
     validate_clips,
 )
-from tts_lightning.files import atomic_write_json
+from tts_lightning.files import atomic_write_json, remove_stale_temporaries
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 from tts_lightning.model.sequence import SpecialIds
 
@@ -511,6 +511,8 @@ class DataPreparer:
             if finisher:  # parts an interrupted run left under other names (other files or world size)
                 for stale in set(parts[rank].parent.glob("*.json")) - set(parts):
                     stale.unlink(missing_ok=True)
+                for folder in (parts[rank].parent, self.cache_dir / "speakers" / "parts"):
+                    remove_stale_temporaries(folder, ".*.tmp")  # what a killed rank's writes left
             mine = plan or self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
             ordered = sorted(mine.clips, key=lambda c: (c.duration, c.content_hash))
             self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
