@@ -94,9 +94,6 @@ def test_short_cues_merge_up_to_the_target_but_never_across_a_speaker_change(rec
 
 
 def test_webvtt_voices_markup_and_errors_name_file_and_line(tmp_path):
-    numbered = tmp_path / "n.srt"  # a cue number separated from its timing by a blank line
-    numbered.write_text("1\n00:00:01,000 --> 00:00:02,000\nHello there.\n\n2\n\n00:00:02,000 --> 00:00:03,000\nBye.\n")
-    assert [c.text for c in parse_subtitles(numbered)] == ["Hello there.", "Bye."]
     vtt = tmp_path / "a.vtt"
     vtt.write_text(
         "WEBVTT - a title\nKind: captions\nLanguage: en\n\nNOTE a comment\n\n"
