@@ -213,9 +213,8 @@ class FileCheck:
     duration: float = 0.0  # seconds, decoded
     speech: float = 0.0  # seconds without edge silence
     clipped: str | None = None  # detail of a clipped clip that the config flags rather than rejects
-    stamp: list[int] | None = (
-        None  # [size, mtime_ns] before the file was read: a check of a file changed since is stale
-    )
+    # [size, mtime_ns] before the file was read: a check of a file changed since then is stale.
+    stamp: list[int] | None = None
 
 
 def check_file(path: Path, config: ValidationConfig) -> FileCheck:
