@@ -256,13 +256,17 @@ def merge_cues(cues: list[Cue], target_seconds: float) -> list[list[int]]:
     return groups
 
 
-def _folder_name(record: ClipRecord, subtitles: Path, settings: dict) -> str:
+def _inputs(record: ClipRecord, subtitles: Path) -> dict[str, Any]:
+    """What a cut is made from: the recording's size and modification time, the subtitles' bytes."""
+    st = os.stat(record.audio)
+    return {"audio": [st.st_size, st.st_mtime_ns], "subtitles": hashlib.sha256(subtitles.read_bytes()).hexdigest()}
+
+
+def _folder_name(record: ClipRecord, subtitles: Path, settings: dict, inputs: dict[str, Any]) -> str:
     """``<tag>-<key>``: ``tag`` names the recording's path, so that its cuts under other keys can be
     found; ``key`` what the cut depends on (the record's speaker is applied when the cut is loaded)."""
-    st = os.stat(record.audio)
-    h = hashlib.sha256(json.dumps({"version": SEGMENTS_VERSION, **settings}, sort_keys=True).encode())
-    h.update(f"{record.audio}|{st.st_size}|{st.st_mtime_ns}|{subtitles}|".encode())
-    h.update(subtitles.read_bytes())
+    key = {"version": SEGMENTS_VERSION, **settings, "recording": str(record.audio), "subtitles": str(subtitles)}
+    h = hashlib.sha256(json.dumps({**key, **inputs}, sort_keys=True).encode())
     return f"{hashlib.sha256(str(record.audio).encode()).hexdigest()[:12]}-{h.hexdigest()[:20]}"
 
 
@@ -476,7 +480,8 @@ def cut_subtitled(
         problems: list[SubtitleError] = []
         try:
             cues = parse_subtitles(subs, encoding, problems)
-            folder = segments_dir / _folder_name(record, subs, settings)
+            inputs = _inputs(record, subs)
+            folder = segments_dir / _folder_name(record, subs, settings, inputs)
         except (SubtitleError, ManifestEncodingError) as exc:
             reject(str(exc))
             continue
@@ -496,11 +501,6 @@ def cut_subtitled(
                 except (sf.SoundFileError, RuntimeError) as exc:
                     reject(str(exc), "unreadable_audio")
                     continue
-                st = os.stat(record.audio)
-                inputs = {
-                    "audio": [st.st_size, st.st_mtime_ns],
-                    "subtitles": hashlib.sha256(subs.read_bytes()).hexdigest(),
-                }
                 index = {
                     "recording": str(record.audio),
                     "inputs": inputs,

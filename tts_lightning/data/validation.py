@@ -163,11 +163,6 @@ def count_characters(text: str) -> int:
     return sum(ch.isalnum() for ch in text)
 
 
-def speech_seconds(samples: torch.Tensor, sample_rate: int) -> float:
-    """Duration without leading/trailing silence (`trim_edge_silence` on the DC-free mono mix)."""
-    return trim_edge_silence(_mono(samples), sample_rate).shape[-1] / sample_rate
-
-
 def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: ValidationConfig) -> dict[int, str]:
     """{index into measured: detail} for clips whose characters per second of speech lie outside
     the absolute limits or far (robust z-score of the log rate, median/MAD) from the speaker's."""
@@ -257,7 +252,7 @@ def _check_bytes(path: Path, data: bytes, config: ValidationConfig) -> FileCheck
             return FileCheck(reason="clipped", detail=flagged)
     # Decoded length, not the header's: compressed formats may only estimate it.
     duration = samples.shape[1] / rate
-    speech = trim_edge_silence(mono, rate).shape[-1] / rate  # `speech_seconds`, the mix made once
+    speech = trim_edge_silence(mono, rate).shape[-1] / rate  # seconds without edge silence
     return FileCheck(duration=duration, speech=speech, clipped=flagged)
 
 
