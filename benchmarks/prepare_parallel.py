@@ -15,6 +15,12 @@ fingerprints, whose entries are in the order the processes wrote them). Target: 
 The pair of runs is repeated (``--repeats``, alternating 1 and 2 processes) and the median ratio
 reported: one process's time alone varies by 10-30% from run to run on a shared 2-core machine.
 
+Beside each pair, the machine's own limit for this work: the speech tokenizer alone encoding the same
+clips (loaded and resampled beforehand, batches of the default size), all of them in 1 process, then
+half each in 2 processes started together. No split of ``prepare`` can scale better than the
+encoding it mostly is; on a 2-core VM whose cores share a cache and memory bandwidth, the tiny
+codec's memory-bound layers (ELU, copies) do not run twice as fast on two cores.
+
     python benchmarks/prepare_parallel.py [--gains 10] [--repeats 3]
 """
 
@@ -70,6 +76,39 @@ L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else
           num_sanity_val_steps=0, use_distributed_sampler=False).fit(Nothing(), data)
 """
 
+# The encoding alone, in forked processes that start together (a barrier) on their shares, dealt as
+# the ranks of prepare deal theirs; the time is from the start to the last process's end.
+ENCODE_SCRIPT = """
+import json, multiprocessing, sys, time
+from tts_lightning.data.audio import load_audio
+from tts_lightning.data.codec_cache import pad_to_frames
+from tts_lightning.data.prepare import PrepareSettings
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
+
+pretrained, manifest, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+batch = PrepareSettings.encode_batch_size
+tokenizer = load_speech_tokenizer(check_pretrained(pretrained))
+with open(manifest, encoding="utf-8") as lines:
+    waves = sorted((pad_to_frames(load_audio(json.loads(line)["audio"]).numpy()) for line in lines), key=len)
+
+def encode(share, barrier, out):
+    barrier.wait()
+    start = time.monotonic()
+    for i in range(0, len(share), batch):
+        tokenizer.encode(share[i : i + batch], sr=24000)
+    out.put((start, time.monotonic()))
+
+fork = multiprocessing.get_context("fork")
+barrier, out = fork.Barrier(processes), fork.Queue()
+workers = [fork.Process(target=encode, args=(waves[r::processes], barrier, out)) for r in range(processes)]
+for w in workers:
+    w.start()
+spans = [out.get() for _ in workers]
+for w in workers:
+    w.join()
+print(f"ENCODE_SECONDS {max(end for _, end in spans) - min(start for start, _ in spans):.3f}", flush=True)
+"""
+
 
 def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
     import json
@@ -123,6 +162,26 @@ def run(
     return Timing(float(found.group(1)), float(found.group(2)), int(found.group(3)))
 
 
+def encode_alone(tiny: Path, manifest: Path, processes: int, script: Path) -> float:
+    """Seconds for the speech tokenizer alone to encode the manifest's clips in ``processes``
+    forked processes that start together (ENCODE_SCRIPT)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny), str(manifest), str(processes)],
+        cwd=script.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    found = re.search(r"ENCODE_SECONDS ([0-9.]+)", proc.stdout)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(
+            f"encoding alone in {processes} process(es) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return float(found.group(1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gains", type=int, default=10, help="copies of each demo clip (10: ~632 s of audio)")
@@ -139,22 +198,28 @@ def main(argv: list[str] | None = None) -> int:
         manifest, seconds = make_dataset(root / "data", args.gains)
         script = root / "prepare_run.py"
         script.write_text(SCRIPT)
+        encode_script = root / "encode_run.py"
+        encode_script.write_text(ENCODE_SCRIPT)
 
         def files(cache: Path) -> dict[str, bytes]:
             paths = [p for p in cache.rglob("*") if p.is_file() and p.name != "fingerprints.json"]
             return {p.relative_to(cache).as_posix(): p.read_bytes() for p in paths}
 
-        pairs, same = [], True
+        pairs, encode_pairs, same = [], [], True
         for i in range(args.repeats):
             one = run(tiny, manifest, root / f"cache1-{i}", 1, script).seconds
             two = run(tiny, manifest, root / f"cache2-{i}", 2, script).seconds
             pairs.append((one, two))
+            encode_pairs.append(
+                (encode_alone(tiny, manifest, 1, encode_script), encode_alone(tiny, manifest, 2, encode_script))
+            )
             one_files, two_files = files(root / f"cache1-{i}"), files(root / f"cache2-{i}")
             same &= one_files == two_files and len([p for p in one_files if p.endswith(".npy")]) == args.gains * 24
             shutil.rmtree(root / f"cache1-{i}")
             shutil.rmtree(root / f"cache2-{i}")
         shutil.rmtree(root / "data")
     ratio = statistics.median(two / one for one, two in pairs)
+    ceiling = statistics.median(two / one for one, two in encode_pairs)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"audio: {args.gains * 24} clips, {seconds:.0f} s ({seconds / 60:.1f} min), tiny model, "
@@ -165,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio 2/1 per pair:   {', '.join(f'{two / one:.2f}' for one, two in pairs)}")
     print(f"same cache bytes (codes, speaker table, index, report, validation memo): {'yes' if same else 'NO'}")
     print(f"ratio 2/1, median:    {ratio:.2f} (target <= 0.6: {'met' if ratio <= 0.6 else 'NOT met'})")
+    print(f"encoding alone, 1 process:   {', '.join(f'{one:.1f}' for one, _ in encode_pairs)} s")
+    print(f"encoding alone, 2 processes: {', '.join(f'{two:.1f}' for _, two in encode_pairs)} s")
+    print(f"encoding alone, ratio 2/1 per pair: {', '.join(f'{two / one:.2f}' for one, two in encode_pairs)}")
+    print(
+        f"encoding alone, ratio 2/1, median: {ceiling:.2f} (this machine's limit for prepare's ratio); "
+        f"prepare / that: {ratio / ceiling:.2f}"
+    )
     return 0 if same else 1
 
 
