@@ -76,29 +76,38 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path, run_s
     assert [p for p in serial if parallel[p] != serial[p]] == []
 
 
-class Agreement:
-    """`prepare_on_all_ranks`'s ``agree`` for forked processes, as the strategy's
-    ``reduce_boolean_decision(ok, all=True)``: every rank posts its vote, waits, reads them all."""
+class Collectives:
+    """`prepare_on_all_ranks`'s ``agree`` and ``gather`` for forked processes, as the strategy's
+    ``reduce_boolean_decision(ok, all=True)`` and ``all_gather``: every rank posts its value, waits,
+    reads them all."""
 
     def __init__(self, ctx, world: int) -> None:
-        self.votes = ctx.Array("b", world)
+        self.values = ctx.Array("q", world)
         self.gate = ctx.Barrier(world, timeout=300)
 
-    def __call__(self, rank: int, ok: bool) -> bool:
-        self.votes[rank] = ok
+    def gather(self, rank: int, value: int) -> list[int]:
+        self.values[rank] = value
         self.gate.wait()
-        everyone = all(self.votes)
-        self.gate.wait()  # no rank votes again before every rank has read
+        everyone = list(self.values)
+        self.gate.wait()  # no rank posts again before every rank has read
         return everyone
 
+    def agree(self, rank: int, ok: bool) -> bool:
+        return all(self.gather(rank, ok))
 
-def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]], agreement: Agreement) -> None:
+
+WORLD = 4
+
+
+def _rank_main(
+    rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]], collectives: Collectives, encoded
+) -> None:
     """One rank of a run, preparing into each layout of cache folders (one per rank) in turn, twice.
-    Each time as a run calls `prepare_on_all_ranks`: after ``prepare_data`` on each node's finishing
-    rank (rank 0, and rank 1 when its cache folder is its own: another node's disk). The second
-    time any file check, encoding or embedding fails: a second run does none. First, a run whose
-    validation fails on the finishing rank alone (every clip too short): both ranks stop, each
-    with its own error, none waits."""
+    Each time as a run calls `prepare_on_all_ranks`: after ``prepare_data`` on each node's first
+    rank (the first rank of each cache folder). ``encoded[layout * WORLD + rank]`` counts the clips
+    the rank encoded. The second time any file check, encoding or embedding fails: a second run
+    does none. First, a run whose validation fails on the finishing rank alone (every clip too
+    short): every rank stops, each with its own error, none waits."""
     import tts_lightning.data.codec_cache as codec_cache
     import tts_lightning.data.prepare as prepare
     import tts_lightning.data.speakers as speakers
@@ -107,59 +116,80 @@ def _rank_main(rank: int, tiny_dir: str, manifest: str, layouts: list[list[str]]
     def fail(*args, **kwargs):
         raise AssertionError(f"rank {rank}: work done again {args[:1]}")
 
-    gate = agreement.gate
+    encode_missing = codec_cache.CodecCache.encode_missing
+    layout = 0
+
+    def counted(self, clips, *args, **kwargs):
+        n = encode_missing(self, clips, *args, **kwargs)
+        encoded[layout * WORLD + rank] += n
+        return n
+
+    codec_cache.CodecCache.encode_missing = counted
+    gate = collectives.gate
+    agree, gather = (lambda ok: collectives.agree(rank, ok)), (lambda n: collectives.gather(rank, n))
     try:
         failing = DataPreparer(
             PrepareSettings(tiny_dir, manifest, cache_dir=str(Path(layouts[0][0]).parent / "fail"), min_duration=20.0)
         )
         expected = (ValueError, "no usable clips") if rank == 0 else (prepare.PrepareStopped, "while validating")
         with pytest.raises(expected[0], match=expected[1]):
-            failing.prepare_on_all_ranks(2, rank, rank == 0, agree=lambda ok: agreement(rank, ok), device="cpu")
+            failing.prepare_on_all_ranks(WORLD, rank, agree=agree, gather=gather, device="cpu")
         for again in (False, True):
             if again:
                 prepare.check_file = validation.check_file = fail
                 codec_cache.CodecCache._get_tokenizer = fail
                 speakers.SpeakerEncoder.embed_files = fail
-            for caches in layouts:
+            for layout, caches in enumerate(layouts):
                 preparer = DataPreparer(PrepareSettings(tiny_dir, manifest, cache_dir=caches[rank]))
-                finisher = rank == 0 or caches[rank] != caches[0]
-                if finisher:
+                if caches.index(caches[rank]) == rank:
                     preparer.read_manifests()  # prepare_data
                 gate.wait()
-                preparer.prepare_on_all_ranks(2, rank, finisher, agree=lambda ok: agreement(rank, ok), device="cpu")
+                preparer.prepare_on_all_ranks(WORLD, rank, agree=agree, gather=gather, device="cpu")
     except BaseException:
-        gate.abort()  # the other rank stops waiting
+        gate.abort()  # the other ranks stop waiting
         raise
 
 
-@pytest.mark.slow  # a model build and 2 processes: about a minute
-def test_ranks_sharing_a_cache_or_each_on_its_own_disk_write_the_bytes_of_one_process(tiny_dir, tmp_path):
+@pytest.mark.slow  # a model build and 4 processes: about a minute
+def test_ranks_sharing_a_cache_or_each_node_on_its_own_disk_write_the_bytes_of_one_process(tiny_dir, tmp_path):
+    """4 ranks: all on one cache folder (shared storage), then two 'nodes' of 2 ranks, each node
+    with a cache folder of its own. Each node's ranks split its whole copy between them: no rank
+    encodes another node's share alone."""
     shutil.copytree(demo_dir(), tmp_path / "demo", ignore=shutil.ignore_patterns(".*"))
     manifest = tmp_path / "demo" / "train.jsonl"
     DataPreparer(PrepareSettings(str(tiny_dir), str(manifest), cache_dir=str(tmp_path / "serial"))).prepare()
 
-    shared = [tmp_path / "shared"] * 2
-    node_local = [tmp_path / "node0", tmp_path / "node1"]  # each finishing rank does what it cannot see
+    shared = [tmp_path / "shared"] * WORLD
+    node_local = [tmp_path / "node0"] * 2 + [tmp_path / "node1"] * 2
     for cache in {*shared, *node_local}:  # what an interrupted run of 3 ranks left: swept
         stale = cache / "validation" / "parts" / "0123456789abcdef-2-of-3.json"
         stale.parent.mkdir(parents=True)
         stale.write_text("[]")
-        # Half-written parts of ranks killed two hours ago (younger ones may be being written now).
-        for tmp in (stale.parent / ".x-0-of-2.json.ab12.tmp", cache / "speakers" / "parts" / ".k.pt.cd34.tmp"):
+        # Half-written parts and a probe of ranks killed two hours ago (younger ones may be in use).
+        for tmp in (
+            stale.parent / ".x-0-of-2.json.ab12.tmp",
+            cache / "speakers" / "parts" / ".k.pt.cd34.tmp",
+            cache / "ranks" / ".00000000000001.tmp",
+        ):
             tmp.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(b"half")
             os.utime(tmp, (time.time() - 7200, time.time() - 7200))
     ctx = multiprocessing.get_context("fork")  # the ranks start with this process's imports done
-    agreement = Agreement(ctx, 2)
+    collectives = Collectives(ctx, WORLD)
     layouts = [[str(c) for c in caches] for caches in (shared, node_local)]
+    encoded = ctx.Array("i", len(layouts) * WORLD)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, str(tiny_dir), str(manifest), layouts, agreement)) for r in range(2)
+        ctx.Process(target=_rank_main, args=(r, str(tiny_dir), str(manifest), layouts, collectives, encoded))
+        for r in range(WORLD)
     ]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join(600)
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert [proc.exitcode for proc in procs] == [0] * WORLD
     serial = _files(tmp_path / "serial")
+    assert len([p for p in serial if p.endswith(".npy")]) == 24
     for cache in {*shared, *node_local}:
         assert _files(cache) == serial, cache
+    # The 24 clips dealt over the 4 ranks of the shared folder, over the 2 ranks of each node's.
+    assert list(encoded) == [6] * WORLD + [12] * WORLD

@@ -9,10 +9,11 @@ it works in any process, and a fresh instance can ``setup`` from a cache prepare
 
 In a run of several processes ``prepare_data`` only reads the manifests (cutting subtitled
 recordings); ``setup`` then splits the work that reads every clip over the ranks
-(`DataPreparer.prepare_on_all_ranks`): each rank checks its share of the audio files, the
-``prepare_data`` rank validates with them and writes the report; each rank encodes its share of
-the codes and embeds its share of the speakers, and the ``prepare_data`` rank writes the index.
-The files are the bytes one process writes.
+(`DataPreparer.prepare_on_all_ranks`) among the ranks that see the same cache folder (all of them
+on shared storage, each node's on per-node disks): each rank checks its share of the audio files,
+the first of them validates with those checks and writes the report; each rank encodes its share of
+the codes and embeds its share of the speakers, and the first writes the index. The files are the
+bytes one process writes.
 
 The module deals its length-bucketed batches to the ranks itself, so a run of several processes
 needs ``Trainer(use_distributed_sampler=False)`` (the ``tts-lightning`` CLI's default); with the
@@ -273,16 +274,12 @@ class SpeakerClipsDataModule(LightningDataModule):
         self._index = None  # a later setup() reads the new index
         return prepared.report
 
-    def _distributed(self) -> tuple[int, int, bool] | None:
-        """(world size, global rank, whether this rank finishes the index) when the attached
-        trainer runs several processes, else None. The finishing rank is the one that ran
-        ``prepare_data``: local rank 0 of each node (global rank 0 without ``prepare_data_per_node``)."""
+    def _distributed(self) -> tuple[int, int] | None:
+        """(world size, global rank) when the attached trainer runs several processes, else None."""
         trainer = self.trainer
         if trainer is None or int(trainer.world_size) <= 1:
             return None
-        rank = int(trainer.global_rank)
-        finisher = int(trainer.local_rank) == 0 if self.prepare_data_per_node else rank == 0
-        return int(trainer.world_size), rank, finisher
+        return int(trainer.world_size), int(trainer.global_rank)
 
     # -- setup (every process; files only) ----------------------------------------------------
 
@@ -310,9 +307,14 @@ class SpeakerClipsDataModule(LightningDataModule):
             self._check_sampler_flag(distributed[0])
             assert self.trainer is not None
             strategy = self.trainer.strategy
+
+            def gather(n: int) -> list[int]:  # on the root device: NCCL takes no CPU tensor
+                return strategy.all_gather(torch.tensor([n], device=strategy.root_device)).view(-1).tolist()
+
             self.preparer.prepare_on_all_ranks(
                 *distributed,
                 agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),
+                gather=gather,
                 device=self.settings.prepare_device or str(strategy.root_device),
             )
         index = self.read_prepared()

@@ -14,6 +14,7 @@ Cache folder layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_c
                                    language, frames, codes file, train/val split)
     validation/<manifest>.json     the memoised validation of each manifest
     validation/parts/              each rank's checks of its share of the files, while a run validates
+    ranks/                         one empty file per rank while a run finds out which ranks share the folder
     codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
     speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
     speakers/parts/                embeddings computed by the ranks of a run, until the table takes them
@@ -456,28 +457,38 @@ class DataPreparer:
         return Prepared(plan.report, self.write_index(plan))
 
     def prepare_on_all_ranks(
-        self, world: int, rank: int, finisher: bool, *, agree: Callable[[bool], bool], device: str
+        self,
+        world: int,
+        rank: int,
+        *,
+        agree: Callable[[bool], bool],
+        gather: Callable[[int], list[int]],
+        device: str,
     ) -> None:
         """`prepare`, split over the ranks of a run (called on every rank, after one process per
-        node read the manifests). Each step that reads every clip is split the same way: each rank
-        does every ``world``-th item and leaves its results in the cache folder; once all ranks are
-        done the finishing rank combines them, doing itself whatever it cannot see (nothing when
-        ``cache_dir`` is shared storage; the other nodes' shares when each node has its own disk).
+        node read the manifests). First the ranks find out which of them see the same cache
+        folder: all of them when ``cache_dir`` is shared storage, the ranks of each node when each
+        node has its own disk. Each step that reads every clip is then split over the
+        ranks of a group: each does every n-th item and leaves its results in the cache folder; once
+        all are done the group's first rank (the finishing rank) combines them. So each node with a
+        disk of its own prepares its whole copy with all its ranks, and nobody waits for one rank to
+        do another node's share.
 
         1. Validation: each rank checks its share of the audio files (`check_file`, into
            ``validation/parts/``); the finishing rank validates with those results (the report of
            one process), writes the memo and report.json, shows the report, and removes the parts
-           an interrupted run left (other files or another world size).
+           an interrupted run left (other files or another group size).
         2. Encoding: each rank encodes its share of the clips (sorted by duration, so the shares
            are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
-           rank completes both and writes the index.
+           rank checks every code file and writes the index.
 
         Everything is written with the bytes a single process writes. ``agree(ok)`` is a
         collective of all ranks (the strategy's ``reduce_boolean_decision(ok, all=True)``): True
         when every rank's step succeeded. It ends each step, so it is the barrier between them too,
         and a step that fails on one rank (e.g. the finishing rank's validation finds no usable
         clip) stops every rank: that rank raises its error, the others `PrepareStopped`, instead
-        of waiting at the next barrier until the process group times out.
+        of waiting at the next barrier until the process group times out. ``gather(n)`` is an
+        all-gather of one integer per rank (in rank order; the strategy's ``all_gather``).
         """
 
         def together(step: str, work: Callable[[], Any]) -> Any:
@@ -492,13 +503,20 @@ class DataPreparer:
                 raise PrepareStopped(f"rank {rank}: preparing the data stopped while {step}: another rank failed")
             return result
 
+        # Which ranks see this cache folder: each leaves a file of a random name, the names are
+        # all-gathered (every rank has written its file by then), and each looks for the others'.
+        probe = together("finding the ranks that share the cache folder", self._leave_probe)
+        tokens = gather(int(probe.stem[1:], 16))
+        sharing = sorted({rank, *(r for r, token in enumerate(tokens) if (probe.parent / _probe_name(token)).exists())})
+        index, size = sharing.index(rank), len(sharing)
+        finisher = index == 0
         config = self.settings.validation_config()
 
         def check() -> tuple[list[Path], list[Path]]:
             files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
-            parts = self._checks_parts(files, world)  # one name per rank, from one stat of every file
+            parts = self._checks_parts(files, size)  # one name per rank, from one stat of every file
             if files:
-                atomic_write_json(parts[rank], [[str(f), asdict(check_file(f, config))] for f in files[rank::world]])
+                atomic_write_json(parts[index], [[str(f), asdict(check_file(f, config))] for f in files[index::size]])
             return files, parts
 
         files, parts = together("checking the audio files", check)
@@ -507,26 +525,35 @@ class DataPreparer:
         )
 
         def encode() -> None:
-            parts[rank].unlink(missing_ok=True)  # every finishing rank has read it
-            if finisher:  # parts an interrupted run left under other names (other files or world size)
-                for stale in set(parts[rank].parent.glob("*.json")) - set(parts):
+            parts[index].unlink(missing_ok=True)  # the finishing rank has read it
+            probe.unlink(missing_ok=True)  # every rank has looked for it
+            if finisher:  # parts an interrupted run left under other names (other files or group size)
+                for stale in set(parts[index].parent.glob("*.json")) - set(parts):
                     stale.unlink(missing_ok=True)
-                for folder in (parts[rank].parent, self.cache_dir / "speakers" / "parts"):
+                for folder in (parts[index].parent, self.cache_dir / "speakers" / "parts", probe.parent):
                     remove_stale_temporaries(folder, ".*.tmp")  # what a killed rank's writes left
             mine = plan or self.plan(show_report=False, write_report=False)  # the memo the finishing rank wrote
             ordered = sorted(mine.clips, key=lambda c: (c.duration, c.content_hash))
-            self.encode(ordered[rank::world], device=device, log=f"rank {rank}/{world}: ")
-            self.embed(mine, mine.speakers[rank::world])
+            self.encode(ordered[index::size], device=device, log=f"rank {rank}/{world}: ")
+            self.embed(mine, mine.speakers[index::size])
 
         together("encoding", encode)
 
-        def index() -> None:
-            if finisher:  # verifies every file: a node-local disk may hold another node's share from an older run
+        def write_index() -> None:
+            if finisher:  # checks every code file (and encodes any missing) before the index names it
                 assert plan is not None
                 self.encode(plan.clips, device=device)
                 self.write_index(plan)
 
-        together("writing the index", index)
+        together("writing the index", write_index)
+
+    def _leave_probe(self) -> Path:
+        """An empty file of a random name in ``ranks/``, for the other ranks of a run to look for."""
+        folder = self.cache_dir / "ranks"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / _probe_name(int.from_bytes(os.urandom(7), "big"))  # not a seeded generator; an int64
+        probe.touch()
+        return probe
 
     def read_manifests(self) -> None:
         """Read the manifests, cutting long subtitled recordings into clips: what a run of several
@@ -839,6 +866,10 @@ class DataPreparer:
             )
         else:
             rank_zero_info(f"data report ({self.report_path}):\n{report.summary()}")
+
+
+def _probe_name(token: int) -> str:
+    return f".{token:014x}.tmp"  # hidden and .tmp: swept with the temporaries a killed rank left
 
 
 def _reject(report: ValidationReport, problem: Callable[[AcceptedClip], str | None]) -> None:
