@@ -192,6 +192,28 @@ def test_a_bad_cue_is_rejected_alone_naming_file_and_line(write_tone, tmp_path):
     assert cut_subtitled(load_manifest(tmp_path / "train.jsonl"), tmp_path / "s", target_seconds=0.0)[0] == cut
 
 
+def test_a_cue_longer_than_max_duration_is_rejected_uncut_and_merging_stops_below_it(write_tone, tmp_path):
+    write_tone(tmp_path / "talk.wav", seconds=3.0)
+    _write_recording(
+        tmp_path,
+        "talk",
+        "1\n00:00:00,100 --> 00:00:00,700\nOne.\n\n"
+        "2\n00:00:00,800 --> 00:00:01,300\nTwo.\n\n"
+        "3\n00:00:01,400 --> 02:00:01,400\nA typo in the hours.\n",
+    )
+    manifest = load_manifest(tmp_path / "train.jsonl")
+    cut, segments = cut_subtitled(manifest, tmp_path / "s", target_seconds=10.0, max_duration=1.0)
+    assert [s.cues for s in segments] == ["1", "2"]  # 1 and 2 together would last 1.2 s
+    assert [(r.reason, r.detail) for r in cut.rejected] == [
+        ("too_long", f"{tmp_path / 'talk.srt'}:10: cue 3 lasts 1.600 s, longer than max_duration 1.0 s")
+    ]
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*.wav")) == ["talk_0001.wav", "talk_0002.wav"]
+    # The rejection is kept with the cut; without the limit the cues merge and cue 3 is cut to the end.
+    assert cut_subtitled(manifest, tmp_path / "s", target_seconds=10.0, max_duration=1.0)[0] == cut
+    _, unlimited = cut_subtitled(manifest, tmp_path / "s", target_seconds=10.0)
+    assert [(s.cues, s.end) for s in unlimited] == [("1-2", 1.3), ("3", 3.0)]
+
+
 def test_markup_entities_and_speaker_labels(tmp_path):
     srt = tmp_path / "a.srt"
     srt.write_text(

@@ -92,7 +92,8 @@ class SpeakerClipsDataModule(LightningDataModule):
             ``transcript_mismatch``; rates outside 1-35 characters per second always do.
         mismatch_action: "reject" mismatched clips, or "flag" them.
         subtitle_target_seconds: a long recording with an ``.srt``/``.vtt`` beside it is cut at its
-            cues; adjacent cues of one speaker are merged into clips of up to this many seconds.
+            cues; adjacent cues of one speaker are merged into clips of up to this many seconds
+            (and never past ``max_duration``; a longer cue is rejected, not cut).
         normalize: None, "peak" or "rms" loudness normalisation before encoding.
         trim_silence: trim leading/trailing silence before encoding.
         num_reference_clips: clips averaged for a speaker's embedding when its records give no

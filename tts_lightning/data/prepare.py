@@ -828,6 +828,7 @@ class DataPreparer:
             manifest,
             self.cache_dir / "segments",
             target_seconds=s.subtitle_target_seconds,
+            max_duration=s.max_duration,
             encoding=s.manifest_encoding,
         )
 

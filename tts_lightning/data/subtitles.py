@@ -2,7 +2,7 @@
 
 A manifest entry (or folder item) whose audio has an ``.srt`` or ``.vtt`` file beside it (same
 stem) and no transcript of its own is a long recording: `cut_subtitled` replaces it by one clip per
-cue, or per run of adjacent cues merged up to ``target_seconds``. Cues are never merged across a
+cue, or per run of adjacent cues merged up to ``target_seconds`` (and ``max_duration``). Cues are never merged across a
 speaker change, across a gap of more than `MAX_MERGE_GAP` seconds, or with a cue whose text is empty
 after markup is removed (that one becomes a clip of its own, which validation then rejects as
 ``empty_transcript``).
@@ -20,7 +20,8 @@ whitespace is collapsed. A text block after a blank line inside a cue continues 
 
 Nothing is dropped silently: a cue that cannot be used (bad or zero-length timing, two speakers,
 starting after the end of the recording) becomes a ``malformed_entry`` rejection naming the
-subtitle file and line, and the other cues are still cut; a subtitle file without one usable cue
+subtitle file and line, a cue longer than ``max_duration`` a ``too_long`` one (not cut), and the
+other cues are still cut; a subtitle file without one usable cue
 rejects its recording.
 
 Each cut is written once, at the recording's own sample rate and, for PCM and float sources, its
@@ -40,6 +41,7 @@ import errno
 import hashlib
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -56,7 +58,7 @@ import soundfile as sf
 from tts_lightning.data.manifest import ClipRecord, ManifestEncodingError, ManifestResult, Rejection, read_text
 from tts_lightning.files import WriteError, atomic_write_json, staged_directory
 
-SEGMENTS_VERSION = 2
+SEGMENTS_VERSION = 3
 MAX_MERGE_GAP = 1.0  # seconds of silence between two cues that may still be merged into one clip
 # Upper-case words that label an SRT line's text rather than name its speaker ("NOTE: bring the keys.").
 NOT_SPEAKERS = frozenset(
@@ -327,15 +329,19 @@ def _writing(folder: Path) -> Iterator[None]:
 
 
 def _cut(
-    record: ClipRecord, subtitles: Path, cues: list[Cue], target_seconds: float, folder: Path
-) -> tuple[list[Segment], list[str], dict[str, int]]:
-    """Cut the clips into ``folder``: (segments, details of the cues rejected, {clip file: bytes})."""
-    rejected: list[str] = []
+    record: ClipRecord, subtitles: Path, cues: list[Cue], target_seconds: float, max_duration: float, folder: Path
+) -> tuple[list[Segment], list[tuple[str, str]], dict[str, int]]:
+    """Cut the clips into ``folder``: (segments, (reason, detail) of each cue rejected, {clip file:
+    bytes})."""
+    rejected: list[tuple[str, str]] = []
 
     def past_end(cue: Cue, frames: int, rate: int) -> None:
         rejected.append(
-            f"{subtitles}:{cue.line}: cue {cue.number} starts at {cue.start:.3f} s, "
-            f"after the end of the recording ({frames / rate:.3f} s)"
+            (
+                "malformed_entry",
+                f"{subtitles}:{cue.line}: cue {cue.number} starts at {cue.start:.3f} s, "
+                f"after the end of the recording ({frames / rate:.3f} s)",
+            )
         )
 
     with sf.SoundFile(record.audio) as f:
@@ -347,8 +353,20 @@ def _cut(
         for cue in cues:
             if round(cue.start * rate) >= f.frames:
                 past_end(cue, f.frames, rate)
-        groups = [[inside[k] for k in group] for group in merge_cues(inside, target_seconds)]
-        spans = [(round(g[0].start * rate), round(g[-1].end * rate)) for g in groups]
+        groups: list[list[Cue]] = []
+        spans: list[tuple[int, int]] = []
+        for group in (
+            [inside[k] for k in indices] for indices in merge_cues(inside, min(target_seconds, max_duration))
+        ):
+            span = (round(group[0].start * rate), round(group[-1].end * rate))
+            seconds = (min(span[1], f.frames) - span[0]) / rate
+            if seconds > max_duration:  # one cue (merged ones stay within it): a typo in the hours, say
+                # Not cut: validation would reject the clip after it was written and read in full.
+                detail = f"cue {group[0].number} lasts {seconds:.3f} s, longer than max_duration {max_duration} s"
+                rejected.append(("too_long", f"{subtitles}:{group[0].line}: {detail}"))
+            else:
+                groups.append(group)
+                spans.append(span)
         names = [f"{record.audio.stem}_{n:04d}.wav" for n in range(1, len(groups) + 1)]
         # One decoding pass; each clip is written while the pass crosses its span (spans may overlap).
         waiting = sorted(range(len(groups)), key=lambda j: spans[j][0])[::-1]  # next to open last
@@ -455,19 +473,27 @@ def cut_subtitled(
     segments_dir: str | os.PathLike,
     *,
     target_seconds: float = 10.0,
+    max_duration: float = math.inf,
     encoding: str | None = None,
 ) -> tuple[ManifestResult, list[Segment]]:
     """Replace every subtitled record by the clips cut from it; the others pass through in order.
 
-    A cue that cannot be used is rejected (``malformed_entry``, naming the subtitle file and line);
-    a subtitle file that cannot be read, or has no usable cue, rejects its recording. Returns the new
-    manifest and every segment.
+    Cues merge up to ``target_seconds`` and never past ``max_duration``; a cue longer than
+    ``max_duration`` is rejected (``too_long``) without being cut. A cue that cannot be used is
+    rejected (``malformed_entry``); both name the subtitle file and line. A subtitle file that
+    cannot be read, or has no usable cue, rejects its recording. Returns the new manifest and every
+    segment.
     """
     segments_dir = Path(segments_dir)
     records: list[ClipRecord] = []
     rejected = list(manifest.rejected)
     all_segments: list[Segment] = []
-    settings = {"target_seconds": target_seconds, "max_merge_gap": MAX_MERGE_GAP, "encoding": encoding}
+    settings = {
+        "target_seconds": target_seconds,
+        "max_duration": max_duration,
+        "max_merge_gap": MAX_MERGE_GAP,
+        "encoding": encoding,
+    }
     for record in manifest.records:
         subs = record.subtitles
         if subs is None:
@@ -497,7 +523,7 @@ def cut_subtitled(
         if index is None:
             with staged_directory(folder) as tmp:
                 try:
-                    cut, cut_rejected, files = _cut(record, subs, cues, target_seconds, tmp)
+                    cut, cut_rejected, files = _cut(record, subs, cues, target_seconds, max_duration, tmp)
                 except (sf.SoundFileError, RuntimeError) as exc:
                     reject(str(exc), "unreadable_audio")
                     continue
@@ -510,8 +536,8 @@ def cut_subtitled(
                 }
                 atomic_write_json(tmp / "segments.json", index)
                 _install(tmp, folder, record.audio, inputs)
-        for detail in index["rejected"]:
-            reject(detail)
+        for reason, detail in index["rejected"]:
+            reject(detail, reason)
         for seg in (Segment(**s) for s in index["segments"]):
             seg = replace(seg, audio=str(folder / seg.audio), speaker=seg.speaker or record.speaker)
             all_segments.append(seg)
