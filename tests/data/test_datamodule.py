@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule
+from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule, rank_device
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import CACHEDIR_TAG, ClipRecord
 from tts_lightning.data.prepare import PreparedIndex, split_validation
@@ -377,3 +377,12 @@ def test_pretrained_tiny_is_built_once_into_the_user_cache_even_by_concurrent_ra
 
     monkeypatch.setenv("TTS_LIGHTNING_CACHE", str(cache))
     assert SpeakerClipsDataModule("tiny", str(demo_dir() / "train.jsonl")).pretrained_dir == path
+
+
+def test_a_cuda_prepare_device_means_each_ranks_own_gpu():
+    """In a run on GPUs, `prepare_device: cuda:0` would load every rank's speech tokenizer (and a
+    CUDA context per rank) on GPU 0; each rank takes its own."""
+    gpu3 = torch.device("cuda", 3)
+    assert rank_device("cuda:0", gpu3) == rank_device("cuda", gpu3) == "cuda:3"
+    assert rank_device("cpu", gpu3) == "cpu" and rank_device(None, gpu3) is None
+    assert rank_device("cuda:0", torch.device("cpu")) == "cuda:0"  # a CPU run: the user's choice stands

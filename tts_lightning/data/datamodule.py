@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,15 @@ __getattr__ = moved(
 
 class DistributedSamplerError(RuntimeError):
     """A run of several processes whose Trainer would inject a DistributedSampler."""
+
+
+def rank_device(prepare_device: str | None, root_device: torch.device) -> str | None:
+    """``prepare_device`` for one rank of a run whose rank works on ``root_device``: a CUDA device
+    becomes the rank's own GPU (``cuda:0`` on every rank would put every rank's speech tokenizer,
+    speaker encoder and CUDA context on GPU 0); anything else is kept."""
+    if prepare_device is not None and root_device.type == "cuda" and torch.device(prepare_device).type == "cuda":
+        return str(root_device)
+    return prepare_device
 
 
 class SpeakerClipsDataModule(LightningDataModule):
@@ -100,7 +110,8 @@ class SpeakerClipsDataModule(LightningDataModule):
             ``ref_audio``.
         encode_batch_size: clips per speech-tokenizer call while preparing.
         prepare_device: device for the speech tokenizer and speaker encoder while preparing
-            (default: cuda when available, else cpu).
+            (default: cuda when available, else cpu). In a run of several processes on GPUs, a
+            CUDA device means each rank's own GPU (see `rank_device`).
     """
 
     def __init__(
@@ -312,11 +323,15 @@ class SpeakerClipsDataModule(LightningDataModule):
             def gather(n: int) -> list[int]:  # on the root device: NCCL takes no CPU tensor
                 return strategy.all_gather(torch.tensor([n], device=strategy.root_device)).view(-1).tolist()
 
-            self.preparer.prepare_on_all_ranks(
+            device = rank_device(self.settings.prepare_device, strategy.root_device)
+            preparer = self.preparer
+            if device != self.settings.prepare_device:  # the speaker embeddings too: a preparer for this rank
+                preparer = DataPreparer(replace(self.settings, prepare_device=device))
+            preparer.prepare_on_all_ranks(
                 *distributed,
                 agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),
                 gather=gather,
-                device=self.settings.prepare_device or str(strategy.root_device),
+                device=device or str(strategy.root_device),
             )
         index = self.read_prepared()
         cache_dir = self.cache_dir
