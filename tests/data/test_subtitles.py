@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -293,6 +294,15 @@ def test_an_edited_srt_leaves_no_old_cut_behind(two_recordings, tmp_path):
     _, merged = cut_subtitled(load_manifest(two_recordings), segments_dir, target_seconds=10.0)
     assert {Path(seg.audio).parent for seg in segments + merged} == set(segments_dir.iterdir())
     assert len(list(segments_dir.iterdir())) == 4
+    # A cut by an earlier version of the cutter (no version in its segments.json) is removed.
+    old = b_folder.with_name(b_folder.name.split("-")[0] + "-" + "0" * 20)
+    shutil.copytree(b_folder, old)
+    index = json.loads((old / "segments.json").read_text())
+    del index["version"]
+    (old / "segments.json").write_text(json.dumps(index))
+    Path(segments[3].audio).unlink()  # b is cut again
+    cut_subtitled(load_manifest(two_recordings), segments_dir, target_seconds=0.0)
+    assert not old.exists() and len(list(segments_dir.iterdir())) == 4
 
 
 def test_prepare_validates_encodes_once_and_reports_the_segments(recording, tiny_dir, tmp_path):

@@ -30,8 +30,8 @@ decodes to), under ``<cache_dir>/segments/<tag>-<key>/``: ``tag`` names the reco
 ``key`` the recording (path, size, modification time), the subtitle file and the settings. A second
 run with the same inputs reads the folder's ``segments.json`` and cuts nothing, unless a clip it
 lists is missing or changed; a new cut of a recording removes its cuts of other inputs (an earlier
-recording or subtitle file; a cut with other settings stays, another run may be reading it). The cut
-clips go through validation like any clip.
+recording or subtitle file) and those of an earlier `SEGMENTS_VERSION` (a cut with other settings
+stays, another run may be reading it). The cut clips go through validation like any clip.
 """
 
 from __future__ import annotations
@@ -435,8 +435,9 @@ def _read_index(folder: Path, recording: Path, *, check_files: bool = True) -> d
 
 def _install(tmp: Path, folder: Path, recording: Path, inputs: dict[str, Any]) -> None:
     """Move a finished cut into place (replacing an incomplete one, with a clip deleted, say), then
-    remove the recording's cuts of other ``inputs`` (an earlier recording or subtitle file); cuts of
-    the same inputs with other settings stay: another run may be reading them."""
+    remove the recording's cuts of other ``inputs`` (an earlier recording or subtitle file) or by
+    an earlier `SEGMENTS_VERSION`; cuts of the same inputs with other settings stay: another run may
+    be reading them."""
     if _read_index(folder, recording) is not None:
         return  # another process has just put the same cut there: use it
     old = None
@@ -464,7 +465,7 @@ def _install(tmp: Path, folder: Path, recording: Path, inputs: dict[str, Any]) -
     for other in folder.parent.glob(f"{tag}-*"):
         # The tag is a short hash: only folders whose segments.json names this recording, cut from other inputs.
         index = _read_index(other, recording, check_files=False) if other != folder and other.is_dir() else None
-        if index is not None and index.get("inputs") != inputs:
+        if index is not None and (index.get("inputs") != inputs or index.get("version") != SEGMENTS_VERSION):
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -528,6 +529,7 @@ def cut_subtitled(
                     reject(str(exc), "unreadable_audio")
                     continue
                 index = {
+                    "version": SEGMENTS_VERSION,
                     "recording": str(record.audio),
                     "inputs": inputs,
                     "segments": [asdict(s) for s in cut],
