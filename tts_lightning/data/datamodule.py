@@ -320,8 +320,12 @@ class SpeakerClipsDataModule(LightningDataModule):
             assert self.trainer is not None
             strategy = self.trainer.strategy
 
-            def gather(n: int) -> list[int]:  # on the root device: NCCL takes no CPU tensor
-                return strategy.all_gather(torch.tensor([n], device=strategy.root_device)).view(-1).tolist()
+            def gather(n: int) -> list[int]:
+                # An all-gather as the sum of one row per rank (Lightning's all_gather warns of a
+                # deprecated torch function); on the root device: NCCL takes no CPU tensor.
+                rows = torch.zeros(distributed[0], dtype=torch.int64, device=strategy.root_device)
+                rows[distributed[1]] = n
+                return strategy.reduce(rows, reduce_op="sum").tolist()
 
             device = rank_device(self.settings.prepare_device, strategy.root_device)
             preparer = self.preparer

@@ -488,7 +488,7 @@ class DataPreparer:
         and a step that fails on one rank (e.g. the finishing rank's validation finds no usable
         clip) stops every rank: that rank raises its error, the others `PrepareStopped`, instead
         of waiting at the next barrier until the process group times out. ``gather(n)`` is an
-        all-gather of one integer per rank (in rank order; the strategy's ``all_gather``).
+        all-gather of one integer per rank (in rank order).
         """
 
         def together(step: str, work: Callable[[], Any]) -> Any:
