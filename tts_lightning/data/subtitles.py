@@ -2,10 +2,10 @@
 
 A manifest entry (or folder item) whose audio has an ``.srt`` or ``.vtt`` file beside it (same
 stem) and no transcript of its own is a long recording: `cut_subtitled` replaces it by one clip per
-cue, or per run of adjacent cues merged up to ``target_seconds`` (and ``max_duration``). Cues are never merged across a
-speaker change, across a gap of more than `MAX_MERGE_GAP` seconds, or with a cue whose text is empty
-after markup is removed (that one becomes a clip of its own, which validation then rejects as
-``empty_transcript``).
+cue, or per run of adjacent cues merged up to ``target_seconds`` (and ``max_duration``). Cues are
+never merged across a speaker change, across a gap of more than `MAX_MERGE_GAP` seconds, or with a
+cue whose text is empty after markup is removed (that one becomes a clip of its own, which
+validation then rejects as ``empty_transcript``).
 
 Speakers: in WebVTT only a ``<v Name>`` voice tag names the speaker (the format's own way); in SRT
 an upper-case ``NAME:`` at the start of a line does (``JOHN: Hi``, ``- JOHN: Hi``), except a word
@@ -21,8 +21,7 @@ whitespace is collapsed. A text block after a blank line inside a cue continues 
 Nothing is dropped silently: a cue that cannot be used (bad or zero-length timing, two speakers,
 starting after the end of the recording) becomes a ``malformed_entry`` rejection naming the
 subtitle file and line, a cue longer than ``max_duration`` a ``too_long`` one (not cut), and the
-other cues are still cut; a subtitle file without one usable cue
-rejects its recording.
+other cues are still cut; a subtitle file without one usable cue rejects its recording.
 
 Each cut is written once, at the recording's own sample rate and, for PCM and float sources, its
 own sample format (a lossy or otherwise compressed source is written as the float samples it
