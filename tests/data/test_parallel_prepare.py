@@ -61,9 +61,9 @@ def test_two_ranks_write_the_same_cache_as_one_process(tiny_dir, tmp_path, run_s
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "rank 0: 22 train clips" in out and "rank 1: 22 train clips" in out
-    # Rank 0 encoded half; after the barrier, nothing was left for it: rank 1 encoded the rest.
+    # Rank 0 encoded half, rank 1 the rest (the bytes below are complete), and nobody more.
     assert "rank 0/2: codec cache: 12 clip(s) encoded, 0 already cached" in out
-    assert "codec cache: 0 clip(s) encoded, 24 already cached" in out
+    assert out.count("clip(s) encoded") == 1
     assert out.count("data report (") == 1
 
     SpeakerClipsDataModule(

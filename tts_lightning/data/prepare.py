@@ -37,7 +37,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE
-from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache
+from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache, check_codes_header
 from tts_lightning.data.manifest import ManifestResult, Rejection, load_manifest, write_cachedir_tag
 from tts_lightning.data.progress import EncodeProgress
 from tts_lightning.data.speakers import compute_speaker_table, embed_speakers, select_references
@@ -480,7 +480,7 @@ class DataPreparer:
            an interrupted run left (other files or another group size).
         2. Encoding: each rank encodes its share of the clips (sorted by duration, so the shares
            are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
-           rank checks every code file and writes the index.
+           rank writes the index.
 
         Everything is written with the bytes a single process writes. ``agree(ok)`` is a
         collective of all ranks (the strategy's ``reduce_boolean_decision(ok, all=True)``): True
@@ -540,9 +540,8 @@ class DataPreparer:
         together("encoding", encode)
 
         def write_index() -> None:
-            if finisher:  # checks every code file (and encodes any missing) before the index names it
+            if finisher:  # every code file is there: each rank checked or wrote its share in this folder
                 assert plan is not None
-                self.encode(plan.clips, device=device)
                 self.write_index(plan)
 
         together("writing the index", write_index)
@@ -748,7 +747,8 @@ class DataPreparer:
         )
 
     def write_index(self, plan: Plan) -> PreparedIndex:
-        """Speaker embeddings and prepared.json (the clips' codes must all be cached)."""
+        """Speaker embeddings and prepared.json (the clips' codes must all be cached; each file's
+        header is checked as its length is read: `CacheEntryError` names a bad one)."""
         s = self.settings
         cache_dir = self.cache_dir
         cache = self.codec_cache()
@@ -773,7 +773,7 @@ class DataPreparer:
                     speaker=c.record.speaker,
                     language=plan.languages[c.content_hash],
                     duration=round(c.duration, 4),
-                    frames=int(load_codes_shape(cache_dir / codes_rel)[0]),
+                    frames=check_codes_header(cache_dir / codes_rel, cache.num_code_groups)[0],
                     codes=codes_rel,
                     split="val" if c.content_hash in plan.val_hashes else "train",
                 )
