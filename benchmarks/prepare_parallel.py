@@ -15,11 +15,11 @@ fingerprints, whose entries are in the order the processes wrote them). Target: 
 The pair of runs is repeated (``--repeats``, alternating 1 and 2 processes) and the median ratio
 reported: one process's time alone varies by 10-30% from run to run on a shared 2-core machine.
 
-Beside each pair, the machine's own limit for this work: the speech tokenizer alone encoding the same
-clips (loaded and resampled beforehand, batches of the default size), all of them in 1 process, then
-half each in 2 processes started together. No split of ``prepare`` can scale better than the
-encoding it mostly is; on a 2-core VM whose cores share a cache and memory bandwidth, the tiny
-codec's memory-bound layers (ELU, copies) do not run twice as fast on two cores.
+Beside each pair, how the machine scales the work prepare mostly is: the speech tokenizer alone
+encoding the same clips (loaded and resampled beforehand, batches of the default size), all of them
+in 1 process, then half each in 2 processes started together. On a 2-core VM whose cores share a
+cache and memory bandwidth, the tiny codec's memory-bound layers (ELU, copies) need not run twice as
+fast on two cores, and prepare's ratio can hardly be better than this one.
 
     python benchmarks/prepare_parallel.py [--gains 10] [--repeats 3]
 """
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"encoding alone, 2 processes: {', '.join(f'{two:.1f}' for _, two in encode_pairs)} s")
     print(f"encoding alone, ratio 2/1 per pair: {', '.join(f'{two / one:.2f}' for one, two in encode_pairs)}")
     print(
-        f"encoding alone, ratio 2/1, median: {ceiling:.2f} (this machine's limit for prepare's ratio); "
+        f"encoding alone, ratio 2/1, median: {ceiling:.2f} (how this machine scales the encoding); "
         f"prepare / that: {ratio / ceiling:.2f}"
     )
     return 0 if same else 1
