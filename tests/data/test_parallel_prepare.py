@@ -1,6 +1,6 @@
 """`prepare` split over the ranks of a run (file checks, codec encoding, speaker embeddings) writes
-the same bytes as a single process: in a real 2-process run (gloo), and with two processes calling the
-preparer directly on one shared cache folder or on a cache folder per node."""
+the same bytes as a single process: in a real 2-process run (gloo), and with four processes calling
+the preparer directly on one shared cache folder or on a cache folder per node of two."""
 
 from __future__ import annotations
 
@@ -187,6 +187,7 @@ def test_ranks_sharing_a_cache_or_each_node_on_its_own_disk_write_the_bytes_of_o
     for proc in procs:
         proc.join(600)
     assert [proc.exitcode for proc in procs] == [0] * WORLD
+    assert list((tmp_path / "fail" / "ranks").iterdir()) == []  # the failed run's probes are gone too
     serial = _files(tmp_path / "serial")
     assert len([p for p in serial if p.endswith(".npy")]) == 24
     for cache in {*shared, *node_local}:

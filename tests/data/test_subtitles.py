@@ -206,7 +206,11 @@ def test_a_cue_longer_than_max_duration_is_rejected_uncut_and_merging_stops_belo
     cut, segments = cut_subtitled(manifest, tmp_path / "s", target_seconds=10.0, max_duration=1.0)
     assert [s.cues for s in segments] == ["1", "2"]  # 1 and 2 together would last 1.2 s
     assert [(r.reason, r.detail) for r in cut.rejected] == [
-        ("too_long", f"{tmp_path / 'talk.srt'}:10: cue 3 lasts 1.600 s, longer than max_duration 1.0 s")
+        (
+            "too_long",
+            f"{tmp_path / 'talk.srt'}:10: cue 3 (1.400 s to 7201.400 s) lasts 1.600 s in the recording, longer "
+            "than max_duration 1.0 s",
+        )
     ]
     assert sorted(p.name for p in (tmp_path / "s").rglob("*.wav")) == ["talk_0001.wav", "talk_0002.wav"]
     # The rejection is kept with the cut; without the limit the cues merge and cue 3 is cut to the end.

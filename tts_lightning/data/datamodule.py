@@ -23,6 +23,7 @@ flag left on, ``setup`` and the dataloader hooks raise an error that says so.
 from __future__ import annotations
 
 import codecs
+import copy
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -329,8 +330,9 @@ class SpeakerClipsDataModule(LightningDataModule):
 
             device = rank_device(self.settings.prepare_device, strategy.root_device)
             preparer = self.preparer
-            if device != self.settings.prepare_device:  # the speaker embeddings too: a preparer for this rank
-                preparer = DataPreparer(replace(self.settings, prepare_device=device))
+            if device != self.settings.prepare_device:  # the speaker embeddings too: this rank's settings
+                preparer = copy.copy(self.preparer)
+                preparer.settings = replace(self.settings, prepare_device=device)
             preparer.prepare_on_all_ranks(
                 *distributed,
                 agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),

@@ -507,26 +507,29 @@ class DataPreparer:
         # all-gathered (every rank has written its file by then), and each looks for the others'.
         probe = together("finding the ranks that share the cache folder", self._leave_probe)
         tokens = gather(int(probe.stem[1:], 16))
-        sharing = sorted({rank, *(r for r, token in enumerate(tokens) if (probe.parent / _probe_name(token)).exists())})
-        index, size = sharing.index(rank), len(sharing)
-        finisher = index == 0
         config = self.settings.validation_config()
 
-        def check() -> tuple[list[Path], list[Path]]:
+        def check() -> tuple[int, int, list[Path], list[Path]]:
+            seen = (r for r, token in enumerate(tokens) if (probe.parent / _probe_name(token)).exists())
+            sharing = sorted({rank, *seen})
+            index, size = sharing.index(rank), len(sharing)
             files = self._files_to_validate()  # empty when every memo is up to date: a second run checks nothing
             parts = self._checks_parts(files, size)  # one name per rank, from one stat of every file
             if files:
                 atomic_write_json(parts[index], [[str(f), asdict(check_file(f, config))] for f in files[index::size]])
-            return files, parts
+            return index, size, files, parts
 
-        files, parts = together("checking the audio files", check)
+        try:
+            index, size, files, parts = together("checking the audio files", check)
+        finally:
+            probe.unlink(missing_ok=True)  # every rank has looked: the step ends with a collective
+        finisher = index == 0
         plan: Plan | None = together(
             "validating", lambda: self.plan(checks=self._gather_checks(files, parts, config)) if finisher else None
         )
 
         def encode() -> None:
             parts[index].unlink(missing_ok=True)  # the finishing rank has read it
-            probe.unlink(missing_ok=True)  # every rank has looked for it
             if finisher:  # parts an interrupted run left under other names (other files or group size)
                 for stale in set(parts[index].parent.glob("*.json")) - set(parts):
                     stale.unlink(missing_ok=True)
@@ -540,8 +543,14 @@ class DataPreparer:
         together("encoding", encode)
 
         def write_index() -> None:
-            if finisher:  # every code file is there: each rank checked or wrote its share in this folder
+            if finisher:
                 assert plan is not None
+                # Each rank checked or wrote its share in this folder. Should two ranks have seen
+                # the folder differently (a file system caching lookups), what no one encoded is
+                # encoded here (a stat per clip when nothing is missing).
+                cache = self.codec_cache(device)
+                cache.encode_missing(plan.clips, batch_size=self.settings.encode_batch_size)
+                cache.release()
                 self.write_index(plan)
 
         together("writing the index", write_index)

@@ -361,8 +361,12 @@ def _cut(
             seconds = (min(span[1], f.frames) - span[0]) / rate
             if seconds > max_duration:  # one cue (merged ones stay within it): a typo in the hours, say
                 # Not cut: validation would reject the clip after it was written and read in full.
-                detail = f"cue {group[0].number} lasts {seconds:.3f} s, longer than max_duration {max_duration} s"
-                rejected.append(("too_long", f"{subtitles}:{group[0].line}: {detail}"))
+                cue = group[0]
+                detail = (
+                    f"cue {cue.number} ({cue.start:.3f} s to {cue.end:.3f} s) lasts {seconds:.3f} s in the "
+                    f"recording, longer than max_duration {max_duration} s"
+                )
+                rejected.append(("too_long", f"{subtitles}:{cue.line}: {detail}"))
             else:
                 groups.append(group)
                 spans.append(span)
@@ -464,7 +468,7 @@ def _install(tmp: Path, folder: Path, recording: Path, inputs: dict[str, Any]) -
     for other in folder.parent.glob(f"{tag}-*"):
         # The tag is a short hash: only folders whose segments.json names this recording, cut from other inputs.
         index = _read_index(other, recording, check_files=False) if other != folder and other.is_dir() else None
-        if index is not None and (index.get("inputs") != inputs or index.get("version") != SEGMENTS_VERSION):
+        if index is not None and (index.get("inputs") != inputs or index.get("version", 0) < SEGMENTS_VERSION):
             shutil.rmtree(other, ignore_errors=True)
 
 
@@ -488,9 +492,9 @@ def cut_subtitled(
     records: list[ClipRecord] = []
     rejected = list(manifest.rejected)
     all_segments: list[Segment] = []
-    settings = {
-        "target_seconds": target_seconds,
-        "max_duration": max_duration,
+    settings = {  # floats: 30 and 30.0 make one key
+        "target_seconds": float(target_seconds),
+        "max_duration": float(max_duration),
         "max_merge_gap": MAX_MERGE_GAP,
         "encoding": encoding,
     }
