@@ -54,14 +54,9 @@ def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.Pa
     With ``memo_path``, each file's digest is remembered there against its size and modification
     time, so a multi-gigabyte checkpoint is hashed once, not on every run.
     """
-    memo: dict = {}
     memo_file = Path(memo_path) if memo_path is not None else None
-    if memo_file is not None and memo_file.is_file():
-        try:
-            memo = json.loads(memo_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            memo = {}
-    changed = False
+    memo = {} if memo_file is None else _read_memo(memo_file)
+    changed: dict = {}
     outer = hashlib.sha256()
     for p in paths:
         p = Path(p).resolve()
@@ -72,11 +67,10 @@ def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.Pa
             digest = entry["sha256"]
         else:
             digest = sha256_file(p)
-            memo[str(p)] = {"stamp": stamp, "sha256": digest}
-            changed = True
+            changed[str(p)] = {"stamp": stamp, "sha256": digest}
         outer.update(f"{p.name}:{digest}\n".encode())
     if memo_file is not None and changed:
-        atomic_write_json(memo_file, memo)
+        _update_memo(memo_file, changed)
     return outer.hexdigest()[:_ID_LENGTH]
 
 
@@ -90,19 +84,26 @@ def memoized_by_stat(
     for p in files:
         st = Path(p).stat()
         stamp.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
-    memo: dict = {}
-    if memo_file.is_file():
-        try:
-            memo = json.loads(memo_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            memo = {}
-    entry = memo.get(name)
+    entry = _read_memo(memo_file).get(name)
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return entry["value"]
     value = compute()
-    memo[name] = {"stamp": stamp, "value": value}
-    atomic_write_json(memo_file, memo)
+    _update_memo(memo_file, {name: {"stamp": stamp, "value": value}})
     return value
+
+
+def _read_memo(path: Path) -> dict:
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _update_memo(path: Path, entries: dict) -> None:
+    """Write ``entries`` into the memo at ``path``, re-read just before: the ranks of a run fill one
+    memo at once, and an entry another wrote while this one was hashing stays."""
+    atomic_write_json(path, {**_read_memo(path), **entries})
 
 
 # -- codes -------------------------------------------------------------------------------------
