@@ -21,7 +21,14 @@ in 1 process, then half each in 2 processes started together. On a 2-core VM who
 cache and memory bandwidth, the tiny codec's memory-bound layers (ELU, copies) need not run twice as
 fast on two cores, and prepare's ratio can hardly be better than this one.
 
-    python benchmarks/prepare_parallel.py [--gains 10] [--repeats 3]
+``--codec mimi`` swaps the tiny speech tokenizer for one whose encoder has Mimi's default sizes (64
+filters, hidden size 512, 8 transformer layers; random weights): the 12 Hz tokenizer's encoder is
+Mimi's, so this is about the released encoder's compute per second of audio (its config is not on
+this machine), where the tiny one is memory-bound. The rest of the model stays tiny (prepare uses
+only its speaker encoder). Use fewer ``--gains`` with it: it encodes about 5x slower than real time
+on one core.
+
+    python benchmarks/prepare_parallel.py [--gains 10] [--repeats 3] [--codec tiny|mimi]
 """
 
 from __future__ import annotations
@@ -110,6 +117,45 @@ print(f"ENCODE_SECONDS {max(end for _, end in spans) - min(start for start, _ in
 """
 
 
+# Mimi's default encoder sizes (transformers' MimiConfig), over the tiny encoder's.
+MIMI_ENCODER = {
+    "hidden_size": 512,
+    "num_filters": 64,
+    "num_hidden_layers": 8,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+
+
+def with_mimi_encoder(tiny: Path, out: Path) -> Path:
+    """A copy of the tiny directory whose speech tokenizer's encoder has `MIMI_ENCODER`'s sizes
+    (random weights, initialised as the tiny builder does; codebooks and decoder unchanged)."""
+    import json
+
+    import torch
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+    from safetensors.torch import save_file
+
+    from tts_lightning.model.tiny import _fan_in_init, _init_speech_tokenizer
+
+    shutil.copytree(tiny, out)
+    folder = out / "speech_tokenizer"
+    config_dict = json.loads((folder / "config.json").read_text())
+    config_dict["encoder_config"].update(MIMI_ENCODER)
+    config = Qwen3TTSTokenizerV2Config(**{k: v for k, v in config_dict.items() if k != "model_type"})
+    generator = torch.Generator().manual_seed(0)
+    model = Qwen3TTSTokenizerV2Model(config)
+    _fan_in_init(model, generator)
+    _init_speech_tokenizer(model, generator)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_dict, indent=2))
+    return out
+
+
 def make_dataset(root: Path, gains: int) -> tuple[Path, float]:
     import json
 
@@ -186,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gains", type=int, default=10, help="copies of each demo clip (10: ~632 s of audio)")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of runs (1 process, then 2), fresh caches")
+    parser.add_argument(
+        "--codec", choices=["tiny", "mimi"], default="tiny", help="the speech tokenizer's encoder sizes"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tts-bench-") as tmp:
         root = Path(tmp)
         tiny = build_tiny_pretrained(root / "tiny", seed=0)
+        if args.codec == "mimi":
+            tiny = with_mimi_encoder(tiny, root / "mimi")
         manifest, seconds = make_dataset(root / "data", args.gains)
         script = root / "prepare_run.py"
         script.write_text(SCRIPT)
@@ -223,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"audio: {args.gains * 24} clips, {seconds:.0f} s ({seconds / 60:.1f} min), tiny model, "
+        f"{args.codec} codec encoder, "
         f"{os.cpu_count()} CPU cores (load average {load}: other work on the machine slows the 2 processes)"
     )
     print(f"prepare, 1 process:   {', '.join(f'{one:.1f}' for one, _ in pairs)} s")
