@@ -188,13 +188,13 @@ class Timing:
     faults: int
 
 
-def run(
-    tiny: Path, manifest: Path, cache: Path, devices: int, script: Path, env: dict[str, str] | None = None
-) -> Timing:
-    """Prepare in fresh processes (``devices`` of them); ``env``: more environment variables."""
+def _launch(script: Path, args: list[object], pattern: str, what: str, env: dict[str, str] | None = None) -> re.Match:
+    """Run ``script`` with ``args`` in a fresh interpreter (one thread, this checkout importable,
+    ``env`` added) and return the match of ``pattern`` in its output; stop naming ``what`` when
+    it fails or prints no such line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(script), str(tiny), str(manifest), str(cache), str(devices)],
+        [sys.executable, str(script), *map(str, args)],
         cwd=script.parent,
         env=env,
         capture_output=True,
@@ -202,29 +202,27 @@ def run(
         timeout=3600,
     )
     out = proc.stdout + proc.stderr
-    found = re.search(r"PREPARE_SECONDS ([0-9.]+) SYSTEM ([0-9.]+) FAULTS ([0-9]+)", out)
+    found = re.search(pattern, out)
     if proc.returncode != 0 or found is None:
-        raise SystemExit(f"{devices} process(es) failed (exit {proc.returncode}):\n{out[-4000:]}")
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-4000:]}")
+    return found
+
+
+def run(
+    tiny: Path, manifest: Path, cache: Path, devices: int, script: Path, env: dict[str, str] | None = None
+) -> Timing:
+    """Prepare in fresh processes (``devices`` of them); ``env``: more environment variables."""
+    pattern = r"PREPARE_SECONDS ([0-9.]+) SYSTEM ([0-9.]+) FAULTS ([0-9]+)"
+    found = _launch(script, [tiny, manifest, cache, devices], pattern, f"prepare in {devices} process(es)", env)
     return Timing(float(found.group(1)), float(found.group(2)), int(found.group(3)))
 
 
 def encode_alone(tiny: Path, manifest: Path, processes: int, script: Path) -> float:
     """Seconds for the speech tokenizer alone to encode the manifest's clips in ``processes``
     forked processes that start together (ENCODE_SCRIPT)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tiny), str(manifest), str(processes)],
-        cwd=script.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
+    found = _launch(
+        script, [tiny, manifest, processes], r"ENCODE_SECONDS ([0-9.]+)", f"encoding alone in {processes} process(es)"
     )
-    found = re.search(r"ENCODE_SECONDS ([0-9.]+)", proc.stdout)
-    if proc.returncode != 0 or found is None:
-        raise SystemExit(
-            f"encoding alone in {processes} process(es) failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
     return float(found.group(1))
 
 

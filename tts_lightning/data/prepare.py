@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE
@@ -172,12 +171,8 @@ def validate_with_memo(
 
 
 def load_codes_shape(path: Path) -> tuple[int, ...]:
-    """The shape of a cached ``.npy`` codes file, from its header alone."""
-    with open(path, "rb") as fh:
-        version = np.lib.format.read_magic(fh)
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, _ = read(fh)
-    return tuple(shape)
+    """The shape of a cached ``.npy`` codes file, from its header (checked: `check_codes_header`)."""
+    return check_codes_header(path)
 
 
 class PrepareStopped(RuntimeError):
