@@ -61,11 +61,14 @@ PACE_CLIPS = 8  # at most this many of a speaker's clips measure its pace
 def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[nn.Module | None]:
     """Collective on all ranks: a plain model to generate with on global rank 0, None elsewhere.
 
-    Under FSDP the full weights are gathered to *host* memory on rank 0 only (the other ranks keep
-    their shards), copied into a fresh model in the run's compute dtype (bf16 under bf16-mixed) on
-    rank 0's device, and the host copy is released before generation starts: the GPU holds the
-    copy (2 bytes per parameter) only while sampling, never the fp32 model. Generation then issues
-    no collective at all. Without FSDP the module's own model is used, on rank 0."""
+    Under FSDP (either strategy, any sharding, one rank or many) every rank takes part in gathering
+    the full state into rank 0's *host* memory one unit (FSDP1) or parameter (FSDP2) at a time
+    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); rank 0 copies it into a
+    fresh model in the run's compute dtype (bf16 under bf16-mixed) on its device and the host copy
+    is released before generation starts: the GPU holds the copy (2 bytes per parameter) only
+    while sampling, never a second fp32 model. Generation then issues no collective at all.
+    Without FSDP the module's own model is used, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     from tts_lightning.model.generation import compute_dtype
@@ -74,22 +77,24 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
     plain = pl_module.model
     assert isinstance(plain, nn.Module)
     root = trainer.strategy.model
-    if isinstance(root, FSDPModule):  # FSDP2 (`Qwen3TTSFSDP2Strategy`): the parameters are DTensor shards
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if isinstance(root, FSDPModule):  # FSDP2: the parameters are DTensor shards
         policy = getattr(trainer.strategy, "mixed_precision_policy", None)
         dtype = getattr(policy, "param_dtype", None) or compute_dtype(plain)
-        # One all-gather per parameter on every rank; rank 0 keeps each full tensor in host memory.
-        state = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        model = copy_model(plain, dtype=dtype, device=pl_module.device, state=state) if trainer.is_global_zero else None
-        del state
+        state = get_model_state_dict(plain, options=options)
     elif isinstance(root, FullyShardedDataParallel):
+        # From the FSDP root (the LightningModule): its own unit holds parameters of the model too.
+        # Keys are the LightningModule's ("model.talker..."); NO_SHARD (one rank) works the same.
         dtype = compute_dtype(plain)
-        with FullyShardedDataParallel.summon_full_params(root, writeback=False, rank0_only=True, offload_to_cpu=True):
-            model = copy_model(plain, dtype=dtype, device=pl_module.device) if trainer.is_global_zero else None
+        prefix = "model."
+        state = {
+            k[len(prefix) :]: v for k, v in get_model_state_dict(root, options=options).items() if k.startswith(prefix)
+        }
     else:
         yield plain if trainer.is_global_zero else None
         return
+    model = copy_model(plain, dtype=dtype, device=pl_module.device, state=state) if trainer.is_global_zero else None
+    del state
     try:
         yield model
     finally:

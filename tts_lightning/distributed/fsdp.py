@@ -223,10 +223,13 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         # units a gradient, but each is one more all-gather per forward: with a lora_A and a lora_B
         # per adapted linear, generation (predict, validate's samples) ran several times slower than
         # with the layer units alone. Checkpoints are keyed by parameter name: either wrapping loads them.
-        leaves = getattr(model, "wrap_trainable_leaves", False) and self._fitting()
+        # A flat parameter holds one dtype, so a bf16 frozen base (LoRA under bf16-mixed) needs the
+        # fp32 adapters in units of their own in validate and predict too.
+        weights = getattr(model, "pending_weights", None)
+        mixed_dtypes = weights is not None and weights.frozen_dtype != weights.dtype
+        leaves = getattr(model, "wrap_trainable_leaves", False) and (self._fitting() or mixed_dtypes)
         if leaves and kwargs.get("auto_wrap_policy") is not None:
             kwargs["auto_wrap_policy"] = _with_trainable_leaves(kwargs["auto_wrap_policy"])
-        weights = getattr(model, "pending_weights", None)
         if weights is not None:
             broadcast = self.world_size > 1
             kwargs["param_init_fn"] = lambda module: weights.materialize(
@@ -248,6 +251,27 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         finally:
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._restore_frozen_no_shard_parameters()
+
+    def _restore_frozen_no_shard_parameters(self) -> None:
+        """Work around a torch FSDP1 bug (2.14) at NO_SHARD, which FSDP uses at world size 1: a
+        grad-enabled forward turns a unit's parameters into plain tensor views and leaves them so
+        until its post-backward hook, which a unit whose parameters are all frozen (a LoRA run's
+        decoder layers, a frozen text embedding) never gets. The next forward's writeback then
+        stores those tensors as the parameters for good: they vanish from ``named_parameters``
+        and every state dict fails (``FSDP assumes ... base_layer.weight is in the state_dict``).
+        Registering the parameters again after each backward, as FSDP does for trainable units,
+        keeps them. Rehearsed on CPU by the 1-GPU configs of tests/test_shipped_configs.py."""
+        from torch.distributed.fsdp._traversal_utils import _get_fsdp_handles
+
+        if self.model is None:
+            return
+        for handle in _get_fsdp_handles(self.model):
+            if not handle.uses_sharded_strategy and not handle.flat_param.requires_grad:
+                handle._use_sharded_views()  # NO_SHARD: registers the unflattened views as parameters
 
     def _fitting(self) -> bool:
         trainer = getattr(self.lightning_module, "_trainer", None)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import cast
 
 import torch
 from torch import nn
@@ -192,30 +191,26 @@ def copy_model(
     state: Mapping[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """A plain, frozen copy of ``model`` in ``dtype`` on ``device``, built from its parameters as they
-    are now (under FSDP1: inside ``summon_full_params``, whose wrapper prefixes are dropped from the
-    names; peft LoRA adapters merged into their base weights). One parameter is copied at a time, so
-    the copy is the only extra memory (plus one merged weight at a time with LoRA).
+    are now (peft LoRA adapters merged into their base weights). One parameter is copied at a time,
+    so the copy is the only extra memory (plus one merged weight at a time with LoRA).
 
     ``state``: the full values to copy instead of the parameters' own, by ``model``'s parameter
-    names (under FSDP2, whose parameters are shards: the full state gathered to this rank's host
+    names (under FSDP, whose parameters are shards: the full state gathered to this rank's host
     memory, e.g. by ``get_model_state_dict(model, full_state_dict=True, cpu_offload=True)``)."""
     from transformers.integrations.accelerate import init_empty_weights
 
     from tts_lightning.model.lora import MergedWeights
 
-    source = MergedWeights(model)  # plain names; LoRA adapters (if any) merged as each is read
-    if state is not None:
-        # The same names and LoRA scalings, read from ``state``: the parameters are only shards.
-        missing = sorted(n for n in source._params if n not in state)
-        if missing:
-            raise KeyError(f"the state to copy lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}")
-        source._params = cast("dict[str, nn.Parameter]", {n: state[n] for n in source._params})  # read-only use
+    source = MergedWeights(model, state)  # plain names; LoRA adapters (if any) merged as each is read
     with init_empty_weights(include_buffers=False):
         copy = type(model)(model.config)
     with torch.no_grad():
         for prefix, module in copy.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
-                value = source[f"{prefix}.{name}" if prefix else name].detach()
+                key = f"{prefix}.{name}" if prefix else name
+                if key not in source:
+                    raise KeyError(f"the weights to copy lack {key!r}")
+                value = source[key].detach()
                 module._parameters[name] = nn.Parameter(
                     value.to(device=device, dtype=dtype, copy=True), requires_grad=False
                 )

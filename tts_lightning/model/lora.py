@@ -182,13 +182,20 @@ def init_adapter(name: str, value: torch.Tensor, seed: int = 0) -> None:
 class MergedWeights(Mapping):
     """The plain model's parameters by their original names, LoRA adapters merged into their base
     weights (in fp32, cast back) when read: one merged weight exists at a time. Works on a model
-    with peft LoRA layers and on a plain one. Under FSDP use it inside ``summon_full_params``;
-    wrapper prefixes are removed from the names."""
+    with peft LoRA layers and on a plain one; wrapper prefixes (FSDP, activation checkpointing) are
+    removed from the names.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``state``: the values to read instead of the model's own parameters, by the model's parameter
+    names (a full state gathered from shards, e.g. `get_model_state_dict(full_state_dict=True)`).
+    Its keys decide which parameters exist: under FSDP1 a module may hold a parameter as a plain
+    tensor view (NO_SHARD after a forward), which ``named_parameters`` does not list."""
+
+    def __init__(self, model: nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> None:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-        self._params = {clean_tensor_name(name): p for name, p in model.named_parameters()}
+        if state is None:
+            state = {name: p for name, p in model.named_parameters()}
+        self._params = {clean_tensor_name(name): value for name, value in state.items()}
         self._scaling: dict[str, float] = {}
         for name, module in model.named_modules():
             s = getattr(module, "scaling", None)

@@ -1,0 +1,113 @@
+"""The rehearsal tier: every shipped config (configs/*.yaml, found by glob) runs as a user gets it, on
+CPU with the tiny model: `fit` a few steps with validation and its callbacks, resume from ``last``,
+`validate`.
+
+Only what CPU and a test must change is overridden (`OVERRIDES`): the accelerator, the pretrained
+directory, the data paths, the number of steps, the validation interval and the samples' length.
+Everything else stays as shipped: the world size (1 or 4 processes), the strategy and its options,
+precision, callbacks, checkpoint settings and monitor, freeze lists, LoRA. The 1-GPU configs are
+the world-size-1 runs (FSDP1 switches to NO_SHARD there) with the samples callback.
+
+What CPU cannot run is said in the config's own comment (e.g. ``cpu_offload``, which pins memory:
+tests/test_configs.py checks that those commented options still parse; the offload path itself is
+rehearsed in tests/distributed/test_offload_rehearsal.py and measured by benchmarks/gpu_check.sh).
+"""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tts_lightning.model.checkpoint import load_training_checkpoint
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+STEPS = 2  # then one more on resume
+
+
+def _raw(config: Path) -> dict:
+    return yaml.safe_load(config.read_text())
+
+
+def _has_samples(config: Path) -> bool:
+    callbacks = (_raw(config).get("trainer") or {}).get("callbacks") or []
+    return any(str(c.get("class_path", "")).endswith("SpeakerSamplesCallback") for c in callbacks)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, demo_data):
+    """The demo clips and one codec cache copied from the session's prepared data: every config
+    reads the same clips, encoded once."""
+    root = tmp_path_factory.mktemp("shipped")
+    demo, _, cache = demo_data
+    shutil.copytree(demo / "demo", root / "demo")
+    shutil.copytree(cache, root / "cache")
+    return root
+
+
+def overrides(config: Path, workdir: Path, tiny_dir: Path, run: Path) -> list:
+    """The only settings a rehearsal changes (see the module docstring)."""
+    args = [
+        "--trainer.accelerator",
+        "cpu",
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        workdir / "demo" / "train.jsonl",
+        "--data.cache_dir",
+        workdir / "cache",
+        "--trainer.default_root_dir",
+        run,
+        "--trainer.logger.init_args.save_dir",
+        run,
+    ]
+    if (_raw(config).get("trainer") or {}).get("val_check_interval"):  # a step interval: validate at the last step
+        args += ["--trainer.val_check_interval", STEPS]
+    if _has_samples(config):
+        args += ["--trainer.callbacks.max_new_tokens", 6]
+    return args
+
+
+def _event_tags(run: Path) -> dict[str, list[str]]:
+    """The tags of the run's first TensorBoard event file, by kind (scalars, audio, images)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(run.rglob("events.out.tfevents.*"))
+    assert events, f"no TensorBoard event file under {run}"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    return acc.Tags()
+
+
+def _steps_of(path: Path) -> int:
+    return load_training_checkpoint(path).global_step
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, run_cli):
+    run = workdir / config.stem
+    common = ["--config", config, *overrides(config, workdir, tiny_dir, run)]
+    fitted = run_cli("fit", *common, "--trainer.max_steps", STEPS, cwd=workdir)
+    output = fitted.stdout + fitted.stderr
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.exists(), output[-3000:]
+    assert _steps_of(last) == STEPS
+    monitor = (_raw(config).get("checkpoint") or {}).get("monitor", "val/loss")
+    kept = [c for c in (run / "checkpoints").iterdir() if c.name != "last.ckpt" and not c.name.startswith(".")]
+    assert kept, f"no checkpoint kept by {monitor}: {output[-3000:]}"
+    if _has_samples(config):
+        tags = _event_tags(run)
+        assert any(t.startswith("samples/") for t in tags["audio"]), tags
+        assert any(t.startswith("baseline_samples/") for t in tags["audio"]), tags
+        assert "val/speaker_similarity" in tags["scalars"], tags["scalars"]
+
+    resumed = run_cli("fit", *common, "--trainer.max_steps", STEPS + 1, "--ckpt_path", "last", cwd=workdir)
+    assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
+    assert _steps_of(last) == STEPS + 1
+
+    validated = run_cli("validate", *common, "--ckpt_path", last, cwd=workdir)
+    assert re.search(r"val/loss\s*│\s*\d+\.\d+", validated.stdout), validated.stdout[-3000:]
