@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tts_lightning.model.checkpoint import load_training_checkpoint
@@ -83,6 +84,18 @@ def _event_tags(run: Path) -> dict[str, list[str]]:
     return acc.Tags()
 
 
+def _prepared_table(config: Path, workdir: Path, tiny_dir: Path) -> torch.Tensor:
+    """The fp32 speaker table the data module prepared for ``config`` (its data settings, the
+    rehearsal's paths)."""
+    from tts_lightning import SpeakerClipsDataModule
+
+    settings = {**(_raw(config).get("data") or {}), "pretrained": str(tiny_dir), "cache_dir": str(workdir / "cache")}
+    settings["train_manifest"] = str(workdir / "demo" / "train.jsonl")
+    data = SpeakerClipsDataModule(**settings)
+    data.setup("fit")
+    return data.speaker_embeddings()
+
+
 def _steps_of(path: Path) -> int:
     return load_training_checkpoint(path).global_step
 
@@ -104,6 +117,11 @@ def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, ru
         assert any(t.startswith("samples/") for t in tags["audio"]), tags
         assert any(t.startswith("baseline_samples/") for t in tags["audio"]), tags
         assert "val/speaker_similarity" in tags["scalars"], tags["scalars"]
+
+    # The speaker table the run saves (and export writes) is the prepared fp32 one, bit for bit, also
+    # through bf16-mixed (FSDP1's root would cast the batch's embeddings to bf16).
+    saved = load_training_checkpoint(last, keys=["speaker_embeddings"]).state_dict["speaker_embeddings"]
+    assert saved.dtype == torch.float32 and torch.equal(saved, _prepared_table(config, workdir, tiny_dir))
 
     resumed = run_cli("fit", *common, "--trainer.max_steps", STEPS + 1, "--ckpt_path", "last", cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr

@@ -66,6 +66,7 @@ def test_bf16_mixed_keeps_buffers_and_reduction_fp32():
     assert config.param_dtype == torch.bfloat16
     assert config.reduce_dtype == torch.float32
     assert config.buffer_dtype == torch.float32
+    assert not config.cast_root_forward_inputs  # the batch's fp32 speaker embeddings stay fp32
     # What it guards against: Lightning's own config casts buffers (the MRoPE inv_freq) to bf16.
     lightning = FSDPStrategy(precision_plugin=FSDPPrecision("bf16-mixed")).mixed_precision_config
     assert lightning.buffer_dtype == torch.bfloat16

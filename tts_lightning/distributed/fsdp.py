@@ -172,12 +172,22 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
 
     @property
     def mixed_precision_config(self):
+        """Lightning's, with fp32 buffers and reductions (``mixed_precision_buffers_fp32``), and the
+        batch left as it is: the root would cast its fp32 speaker embeddings to bf16, and the speaker
+        table the run saves and exports (filled from the batch) would be bf16-rounded. The loss casts
+        them to the compute dtype where they meet the model (`tts_lightning.model.sequence`)."""
         config = super().mixed_precision_config
-        if config is None or self.mixed_precision is not None or not self.mixed_precision_buffers_fp32:
+        if config is None or self.mixed_precision is not None:
             return config
         from torch.distributed.fsdp import MixedPrecision
 
-        return MixedPrecision(param_dtype=config.param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+        fp32 = self.mixed_precision_buffers_fp32
+        return MixedPrecision(
+            param_dtype=config.param_dtype,
+            reduce_dtype=torch.float32 if fp32 else config.reduce_dtype,
+            buffer_dtype=torch.float32 if fp32 else config.buffer_dtype,
+            cast_root_forward_inputs=False,
+        )
 
     @property
     def precision_plugin(self) -> FSDPPrecision:
