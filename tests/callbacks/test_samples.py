@@ -380,3 +380,26 @@ def test_stops_when_similarity_stays_below_the_baseline():
     assert samples.state_dict()["below_baseline"] == 2
     with pytest.raises(ValueError, match="stop_below_baseline"):
         SpeakerSamplesCallback(stop_below_baseline=0)
+
+
+@pytest.mark.parametrize("cause", ["resemblyzer missing", "similarity off"])
+def test_monitoring_similarity_it_cannot_log_is_refused_before_training(monkeypatch, request, cause):
+    """A config that keeps checkpoints by val/speaker_similarity (the GPU configs) without the scorer
+    fails at setup, naming the setting and the fix, not after the first validation."""
+    import sys
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if cause == "resemblyzer missing":
+        monkeypatch.setitem(sys.modules, "resemblyzer", None)  # `import resemblyzer` raises ImportError
+        similarity_unavailable.cache_clear()  # the answer is cached per process
+        request.addfinalizer(similarity_unavailable.cache_clear)
+    callback = SpeakerSamplesCallback(similarity=cause != "similarity off")
+
+    def trainer(monitor):
+        return L.Trainer(accelerator="cpu", logger=False, callbacks=[ModelCheckpoint(monitor=monitor), callback])
+
+    with pytest.raises(ValueError, match=r"checkpoint\.monitor is val/speaker_similarity, which this run cannot log"):
+        callback.setup(trainer("val/speaker_similarity"), None, "fit")
+    callback.setup(trainer("val/loss"), None, "fit")  # the loss needs no scorer
+    callback.setup(trainer("val/speaker_similarity"), None, "validate")  # nothing is kept by validate

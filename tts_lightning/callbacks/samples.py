@@ -231,6 +231,27 @@ class SpeakerSamplesCallback(Callback):
             rank_zero_warn(message)
 
     # -- the hooks ------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse, before training, a checkpoint monitor this callback cannot feed: without the
+        similarity scorer ``val/speaker_similarity`` is never logged, and `ModelCheckpoint` would fail
+        after the first validation. Decided the same way on every rank."""
+        if stage != "fit":
+            return
+        monitors = {getattr(cb, "monitor", None) for cb in trainer.checkpoint_callbacks}
+        if METRIC_NAME not in monitors:
+            return
+        if not self.similarity:
+            reason = "SpeakerSamplesCallback has similarity: false"
+        else:
+            from tts_lightning.metrics.speaker_similarity import similarity_unavailable
+
+            reason = similarity_unavailable()
+        if reason is not None:
+            raise ValueError(
+                f"checkpoint.monitor is {METRIC_NAME}, which this run cannot log: {reason}; "
+                "or monitor the loss (checkpoint.monitor: val/loss, checkpoint.mode: min)"
+            )
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The zero-shot baseline, once, with the base weights. A resumed run keeps the one its
         checkpoint saved. Strategies that restore before setup have already loaded the trained weights

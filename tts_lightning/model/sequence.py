@@ -184,7 +184,18 @@ class TalkerBatch:
     codes: Tensor  # (B, F, G) padded with 0
 
     def to(self, device) -> TalkerBatch:
-        return TalkerBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """On ``device``. To a GPU the copies do not block the host (from pinned memory they run
+        asynchronously; Lightning moves a batch type of its own with ``to(device)`` alone); back to
+        the host they do, so the values are there when read."""
+        non_blocking = torch.device(device).type == "cuda"
+        return TalkerBatch(
+            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
+        )
+
+    def pin_memory(self) -> TalkerBatch:
+        """Page-locked copies: the DataLoader's ``pin_memory=True`` (set on GPU runs) calls this for
+        a batch type of its own; without it the batch stayed pageable. Checked by gpu_check.sh."""
+        return TalkerBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
 
     @property
     def num_frames(self) -> Tensor:
