@@ -1,5 +1,5 @@
-"""Checkpoints written atomically by every rank of a multi-process strategy, and CPU threads split
-between the ranks that share the cores. Shared by the FSDP strategies."""
+"""Checkpoints written atomically by every rank of a multi-process strategy. Shared by the FSDP
+strategies."""
 
 from __future__ import annotations
 
@@ -8,15 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import ParallelStrategy
-
-
-def split_cpu_threads(num_processes: int) -> None:
-    """Lightning sets threads in rank 0 only; ranks sharing the cores must split them
-    (``OMP_NUM_THREADS`` wins when set)."""
-    threads = max(1, (os.cpu_count() or 1) // max(num_processes, 1))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
 
 
 class AtomicCheckpoints(ParallelStrategy):

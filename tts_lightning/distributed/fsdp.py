@@ -35,7 +35,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
-from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError, split_cpu_threads
+from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError
+from tts_lightning.distributed.processes import split_cpu_threads
 
 __all__ = [
     "CheckpointWriteError",

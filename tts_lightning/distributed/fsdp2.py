@@ -56,8 +56,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from tts_lightning.distributed.atomic import AtomicCheckpoints, split_cpu_threads
+from tts_lightning.distributed.atomic import AtomicCheckpoints
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, import_classes
+from tts_lightning.distributed.processes import choose_backend, split_cpu_threads
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -134,6 +135,10 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _get_process_group_backend(self) -> str:
+        # NCCL alone on GPUs, unless cpu_offload puts tensors of collectives on the CPU (choose_backend).
+        return choose_backend(self.root_device, self.cpu_offload, self._process_group_backend)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
 from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
+from tts_lightning.distributed.processes import choose_backend
 
 CHECKPOINT_NAME = "checkpoint.ckpt"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
@@ -362,6 +363,16 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
+def worker_cpus(cluster: dict[str, float], use_gpu: bool, cpu_offload: bool) -> float:
+    """CPUs each worker asks for, by default: one, except GPU workers under ``cpu_offload``, whose
+    optimizer steps on the CPU: the cluster's CPUs per GPU (Ray then sets the worker's
+    ``OMP_NUM_THREADS`` to that, and the strategy's threads follow it)."""
+    if not (use_gpu and cpu_offload):
+        return 1
+    gpus = cluster.get("GPU", 0) or 1
+    return float(max(1, int(cluster.get("CPU", 1) // gpus)))
+
+
 def prepare_on_driver(args: list[str]) -> TTSLightningCLI:
     """Parse and check the config as ``fit`` would, and prepare the data once, here."""
     cli = build_cli(args, None)
@@ -383,8 +394,10 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
 
     _, strategy_args = ray_strategy(cli.config["trainer"].get("strategy"))
     timeout: Any = strategy_args.get("timeout")
+    offload = bool(strategy_args.get("cpu_offload", False))
+    device = torch.device("cuda" if options.use_gpu else "cpu")
     torch_config = TorchConfig(
-        backend=strategy_args.get("process_group_backend"),
+        backend=choose_backend(device, offload, strategy_args.get("process_group_backend")),
         timeout_s=int(timeout.total_seconds()) if hasattr(timeout, "total_seconds") else 1800,
     )
     resources = dict(options.resources_per_worker or {})
@@ -406,6 +419,8 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
         if env_vars:
             init["runtime_env"] = {"env_vars": env_vars}
         ray.init(**init)
+    if "CPU" not in (options.resources_per_worker or {}):
+        resources["CPU"] = worker_cpus(ray.cluster_resources(), options.use_gpu, offload)
 
     trainer = TorchTrainer(
         train_loop_per_worker,

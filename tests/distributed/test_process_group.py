@@ -1,0 +1,82 @@
+"""Which backends a run's process group gets (`choose_backend`), rehearsed on CPU against NCCL's rule
+that a collective on a CPU tensor fails ("No backend type associated with device type cpu"): gloo
+registered for the CUDA device type only stands in for NCCL, so torch's own dispatch refuses CPU
+tensors exactly as it does on a GPU run. The case that needs it: FSDP2 with ``cpu_offload``, whose
+gradients are DTensors on the CPU and whose gradient clipping all-reduces their norm."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tts_lightning.distributed.processes import choose_backend
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+def test_backend_choice():
+    assert choose_backend(CPU, cpu_offload=False) == "gloo"
+    assert choose_backend(CUDA, cpu_offload=False) == "nccl"
+    assert choose_backend(CUDA, cpu_offload=True) == "cpu:gloo,cuda:nccl"
+    assert choose_backend(CUDA, cpu_offload=True, requested="nccl") == "nccl"  # the user's word stands
+
+
+def stand_in(backend: str) -> str:
+    """``backend`` on a CPU-only machine: each device type keeps its registration, NCCL's taken by gloo."""
+    if ":" not in backend:
+        backend = {"nccl": "cuda:nccl", "gloo": "cpu:gloo"}[backend]
+    return backend.replace("nccl", "gloo")
+
+
+def _clip_offloaded_gradients(rank, backend, store, results):
+    """One rank of 2: CPU DTensor gradients (FSDP2 under cpu_offload) clipped by torch's
+    clip_grad_norm_, as Lightning clips them, over a process group with ``backend``'s registrations."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.full((4, 4), float(rank + 1))
+        param = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        param.grad = DTensor.from_local(local * 10, mesh, [Shard(0)], run_check=False)
+        try:
+            norm = torch.nn.utils.clip_grad_norm_([param], 1.0)
+            results[rank] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        except RuntimeError as exc:
+            results[rank] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def _clip(backend: str) -> list:
+    with tempfile.NamedTemporaryFile() as store, mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(
+            _clip_offloaded_gradients, args=(backend, store.name, results), nprocs=2, start_method="fork"
+        )
+        return [results[0], results[1]]
+
+
+@pytest.mark.slow  # two forked ranks
+def test_offloaded_gradient_clipping_needs_a_cpu_backend_beside_nccl():
+    expected = 10 * (16 * 1**2 + 16 * 2**2) ** 0.5  # the norm over both ranks' shards
+    chosen = _clip(stand_in(choose_backend(CUDA, cpu_offload=True)))
+    assert chosen == pytest.approx([expected, expected])
+    # The rehearsal can fail: NCCL alone (the choice before) refuses the CPU norm on every rank.
+    nccl_only = _clip(stand_in(choose_backend(CUDA, cpu_offload=False)))
+    assert all("No backend type associated with device type cpu" in str(r) for r in nccl_only), nccl_only
+
+
+def test_ray_gpu_workers_get_the_cpus_of_their_gpu_under_cpu_offload():
+    """ray-fit's default CPUs per worker: AdamW steps on the CPU under cpu_offload, so a GPU worker
+    asks for its share of the node's CPUs (Ray sets its OMP_NUM_THREADS to that), not one."""
+    from tts_lightning.distributed.ray import worker_cpus
+
+    cluster = {"CPU": 64.0, "GPU": 8.0}
+    assert worker_cpus(cluster, use_gpu=True, cpu_offload=True) == 8
+    assert worker_cpus(cluster, use_gpu=True, cpu_offload=False) == 1
+    assert worker_cpus({"CPU": 2.0}, use_gpu=False, cpu_offload=False) == 1
