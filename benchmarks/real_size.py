@@ -20,6 +20,7 @@ the run actually saw. Goal: within 15%.
     PYTHONPATH=. python benchmarks/real_size.py --strategy fsdp2          # the same with FSDP2
     PYTHONPATH=. python benchmarks/real_size.py --size 0.6b --world 1
     PYTHONPATH=. python benchmarks/real_size.py --device cuda --precision bf16-mixed --gpu-memory 16
+    PYTHONPATH=. python benchmarks/real_size.py --pretrained runs/tiny-model --frames 150   # seconds (the suite)
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ GiB = 2**30
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="1.7b", choices=("1.7b", "0.6b"))
+    p.add_argument(
+        "--pretrained",
+        type=Path,
+        default=None,
+        help="a pretrained directory instead of --size (the suite: the tiny one)",
+    )
     p.add_argument("--world", type=int, default=4, help="emulated FULL_SHARD ranks (this process is rank 0)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on CUDA")
@@ -49,6 +56,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--strategy", default="fsdp1", choices=("fsdp1", "fsdp2"), help="FSDP1 or FSDP2 (fully_shard)")
     p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
+    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench", help="where the data cache and logs go")
     return p.parse_args()
 
 
@@ -79,7 +87,10 @@ def main() -> int:
     from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
     from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_memory
 
-    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
+    if args.pretrained is not None:
+        pretrained, name = args.pretrained, args.pretrained.name
+    else:
+        pretrained, name = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}"), args.size
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     # Lightning's prepare_data barrier opens a side gloo group, which a fake store cannot back (it
     # crashes): prepare the data in this process first, and let that barrier be a no-op.
@@ -127,7 +138,7 @@ def main() -> int:
         from tts_lightning.callbacks import SpeakerSamplesCallback
 
         callbacks.append(SpeakerSamplesCallback(max_new_tokens=60, similarity=False))
-    work = REPO / "runs" / "bench" / f"real-size-{args.size}"
+    work = args.work / f"real-size-{name}"
     data = SpeakerClipsDataModule(
         str(pretrained),
         str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
@@ -138,12 +149,17 @@ def main() -> int:
     )
     data.prepare()
     module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
-    if args.strategy == "fsdp2":
-        from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
+    from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 
-        strategy: L.pytorch.strategies.Strategy = Qwen3TTSFSDP2Strategy(cpu_offload=args.cpu_offload)
-    else:
-        strategy = Qwen3TTSFSDPStrategy(cpu_offload=args.cpu_offload)
+    strategy_class = Qwen3TTSFSDP2Strategy if args.strategy == "fsdp2" else Qwen3TTSFSDPStrategy
+
+    class Emulated(strategy_class):  # type: ignore[misc, valid-type]
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+            # The fake group's all-reduce leaves the tensor as it was (a sum of 1, not of every
+            # rank's 1): the other ranks are not there to disagree, so this rank's word is the answer.
+            return decision
+
+    strategy = Emulated(cpu_offload=args.cpu_offload)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -167,7 +183,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
 
     plan = plan_memory(
-        args.size,
+        str(pretrained) if args.pretrained is not None else args.size,
         gpus=args.world,
         gpu_memory_gb=args.gpu_memory or 1000,
         precision=precision,
@@ -188,7 +204,7 @@ def main() -> int:
     step_s = sorted(steady)[len(steady) // 2]
     tokens_s = probe.tokens / sum(probe.step_seconds)
     figures = {
-        "size": args.size,
+        "size": name,
         "world": args.world,
         "device": args.device,
         "precision": precision,
@@ -212,7 +228,7 @@ def main() -> int:
         peak_flops = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H200/H100 bf16 dense
         figures["mfu"] = flops / peak_flops
     print(
-        f"\n{args.size}: {args.strategy}, rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
+        f"\n{name}: {args.strategy}, rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
         f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
         f"{len(probe.step_seconds)} steps"
     )

@@ -10,7 +10,7 @@ the world-size-1 runs (FSDP1 switches to NO_SHARD there) with the samples callba
 
 What CPU cannot run is said in the config's own comment (e.g. ``cpu_offload``, which pins memory:
 tests/test_configs.py checks that those commented options still parse; the offload path itself is
-rehearsed in tests/distributed/test_offload_rehearsal.py and measured by benchmarks/gpu_check.sh).
+rehearsed in tests/distributed/test_process_group.py and measured by benchmarks/gpu_check.sh).
 """
 
 import re
