@@ -44,7 +44,7 @@ def parse() -> argparse.Namespace:
         "--pretrained",
         type=Path,
         default=None,
-        help="a pretrained directory instead of --size (the suite: the tiny one)",
+        help="a pretrained directory instead of --size (the suite: tiny)",
     )
     p.add_argument("--world", type=int, default=4, help="emulated FULL_SHARD ranks (this process is rank 0)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
