@@ -82,7 +82,7 @@ class Zygote:
             )
             self._ready = False
 
-    def fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str) -> Forked:
+    def fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str, disk=None) -> Forked:
         self.start()
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         if not self._ready:
@@ -90,6 +90,8 @@ class Zygote:
                 raise AssertionError(f"tests/zygote.py did not start:\n{Path(self._log.name).read_text()[-5000:]}")
             self._ready = True
         request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": stdout, "stderr": stderr}
+        if disk is not None:  # (folder, mount point): this process's own disk at that path (zygote.own_disk)
+            request["disk"] = [str(disk[0]), str(disk[1])]
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         return Forked(int(self._proc.stdout.readline()), stdout + ".exit")
@@ -151,16 +153,26 @@ def launch(
     env=None,
     ranks: int = 1,
     zygotes: Zygotes | None = None,
+    node_disks: list | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python <argv>`` (with ``zygotes``: each rank forked from its own zygote) as ``ranks``
     processes started at once, each in its own session; on timeout (a deadlock) every process
     group is killed and the test fails. ``env`` adds variables.
+    ``node_disks``: the ranks as that many nodes of ``ranks / len(node_disks)`` each (``NODE_RANK``,
+    ``LOCAL_RANK`` as a cluster sets them), node k seeing ``node_disks[k]`` at ``cwd`` (a mount
+    namespace per process, zygotes only): the same paths name each node's own storage, as on
+    machines with disks of their own.
     The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    per_node = ranks // len(node_disks) if node_disks else ranks
+    disks = [(node_disks[r // per_node], cwd) if node_disks else None for r in range(ranks)]
+    assert not node_disks or zygotes is not None, "node-local disks need the zygotes"
     if ranks > 1:
-        cluster = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0"}
-        envs = [{**env, **cluster, "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r)} for r in range(ranks)]
+        cluster = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
+        envs = [
+            {**env, **cluster, "NODE_RANK": str(r // per_node), "LOCAL_RANK": str(r % per_node)} for r in range(ranks)
+        ]
     else:
         envs = [env]
     argv = [str(a) for a in argv]
@@ -170,7 +182,7 @@ def launch(
         forks = zygotes.for_ranks(len(envs)) if zygotes is not None else None
         for rank, (e, (out, err)) in enumerate(zip(envs, outputs)):
             if forks is not None:
-                procs.append(forks[rank].fork(argv, e, cwd, out, err))
+                procs.append(forks[rank].fork(argv, e, cwd, out, err, disk=disks[rank]))
             else:
                 with open(out, "w") as stdout, open(err, "w") as stderr:
                     procs.append(

@@ -71,6 +71,26 @@ def run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def own_disk(source: str, target: str) -> None:
+    """Give this process a mount namespace of its own in which ``source`` is mounted at ``target``:
+    the same path then names another folder for this process than for the others (the tests' node-local
+    disks). Needs CAP_SYS_ADMIN (the tests run as root); a forked child is single-threaded, as
+    unshare(2) wants."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private, ms_bind = 0x00020000, 1 << 14, 1 << 18, 1 << 12
+    steps = (
+        lambda: libc.unshare(clone_newns),
+        lambda: libc.mount(b"none", b"/", None, ms_rec | ms_private, None),  # our mounts stay ours
+        lambda: libc.mount(source.encode(), target.encode(), None, ms_bind, None),
+    )
+    for step in steps:
+        if step() != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot mount {source} at {target} in a namespace of its own: {os.strerror(errno)}")
+
+
 def become(request: dict) -> None:
     """In the forked child: turn into ``python <argv>`` and exit with its status (never return: the
     child must not go on serving requests)."""
@@ -82,6 +102,8 @@ def become(request: dict) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        if request.get("disk"):
+            own_disk(*request["disk"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

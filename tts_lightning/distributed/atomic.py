@@ -1,19 +1,44 @@
-"""Checkpoints written atomically by every rank of a multi-process strategy. Shared by the FSDP
+"""Checkpoints written atomically by every rank of a multi-process strategy, readable on every node
+(`tts_lightning.distributed.node_local`), superseded ones removed on every node. Shared by the FSDP
 strategies."""
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import ParallelStrategy
+
+META = "meta.pt"  # Lightning's file of a sharded checkpoint's loops, callbacks and hyper-parameters
+INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
+
+
+_RESUME_HINT = (
+    "A run of several nodes resumes from storage every node sees, or from sharded checkpoints "
+    "(trainer.strategy.init_args.state_dict_type: sharded), which every node keeps its part of"
+)
 
 
 class AtomicCheckpoints(ParallelStrategy):
     """Mixin placed before a Lightning parallel strategy (``class S(AtomicCheckpoints, FSDPStrategy)``):
-    its ``save_checkpoint`` writes through the strategy's own one beside the destination, then renames."""
+    its ``save_checkpoint`` writes beside the destination, then renames.
+
+    A strategy that writes sharded checkpoints says so with `_writes_sharded` and names the module
+    state's key (`_sharded_state_key`: Lightning's FSDP1 layout has ``model``, FSDP2's
+    ``state_dict``); they are written here, as Lightning writes them, with the node-local planner
+    and writer of `tts_lightning.distributed.node_local`."""
+
+    _sharded_state_key = "model"
+    _node_of_rank: list[int] | None = None
+
+    def _writes_sharded(self) -> bool:
+        return False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write beside the destination, then rename, so an interrupted save never leaves a
@@ -26,23 +51,125 @@ class AtomicCheckpoints(ParallelStrategy):
         if self.local_rank == 0:
             _remove(partial)
         self.barrier("checkpoint_prepare")
-        error: BaseException | None = None
-        try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
-        except Exception as exc:  # every rank must learn of it, or the others wait forever
-            error = exc
-        if not self.reduce_boolean_decision(error is None, all=True):
-            if self.local_rank == 0:
-                _remove(partial)
-            self.barrier("checkpoint_failed")
-            raise CheckpointWriteError(final, error) from error
-        self.barrier("checkpoint_written")
+        if self._writes_sharded():
+            indexes: dict[str, Any] = {}
+            self._agreed_step(final, partial, lambda: indexes.update(self._write_sharded(checkpoint, partial)))
+            self._agreed_step(final, partial, lambda: self._hand_out(partial, indexes))
+        else:
+            self._agreed_step(
+                final,
+                partial,
+                lambda: super(AtomicCheckpoints, self).save_checkpoint(checkpoint, partial, storage_options),
+            )
         if self.is_global_zero:
             _rename(partial, final, old)
         self.barrier("checkpoint_renamed")
         if self.local_rank == 0 and not self.is_global_zero and partial.exists():
             _rename(partial, final, old)  # node-local storage: this node's own copy
         self.barrier("checkpoint_renamed_on_nodes")
+
+    def _agreed_step(self, final: Path, partial: Path, step: Callable[[], Any]) -> None:
+        """Run ``step`` on every rank; if it failed anywhere, remove the partial write and raise on
+        every rank (or the others would wait forever)."""
+        error: BaseException | None = None
+        try:
+            step()
+        except Exception as exc:
+            error = exc
+        if not self.reduce_boolean_decision(error is None, all=True):
+            if self.local_rank == 0:
+                _remove(partial)
+            self.barrier("checkpoint_failed")
+            raise CheckpointWriteError(final, error) from error
+
+    def _write_sharded(self, checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
+        """Lightning's sharded layout (the module state, ``optimizer_N``, ``meta.pt`` by rank 0),
+        every node writing one copy of what all ranks hold. Returns, on global rank 0, what the
+        other nodes need to read their part: their indexes and ``meta.pt``."""
+        from torch.distributed.checkpoint import save
+
+        from tts_lightning.distributed.node_local import NodeLocalSavePlanner, NodeLocalWriter
+
+        nodes = self._nodes()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {self._sharded_state_key: checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        writer = NodeLocalWriter(path, nodes)
+        save(state, storage_writer=writer, planner=NodeLocalSavePlanner(nodes))
+        if not self.is_global_zero:
+            return {}
+        meta = io.BytesIO()
+        torch.save(checkpoint, meta)
+        (path / META).write_bytes(meta.getvalue())
+        return {"meta": meta.getvalue(), "indexes": {n: pickle.dumps(m) for n, m in writer.node_indexes.items()}}
+
+    def _hand_out(self, path: Path, written: dict[str, Any]) -> None:
+        """Every node's local rank 0 that does not see rank 0's index (node-local storage) writes its
+        node's index and ``meta.pt`` into its folder."""
+        written = self.broadcast(written if self.is_global_zero else None)
+        if self.local_rank != 0 or (path / INDEX).is_file() or self.node_rank not in written["indexes"]:
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        (path / META).write_bytes(written["meta"])
+        (path / INDEX).write_bytes(written["indexes"][self.node_rank])
+
+    def _nodes(self) -> list[int]:
+        """The node of every global rank (the same on every rank; one collective, once)."""
+        if self._node_of_rank is None:
+            rows = torch.zeros(self.world_size, dtype=torch.long, device=self.root_device)  # NCCL: never CPU
+            rows[self.global_rank] = self.node_rank
+            self._node_of_rank = [int(n) for n in self.reduce(rows, reduce_op="sum").cpu()]
+        return self._node_of_rank
+
+    def setup(self, trainer) -> None:
+        self._check_full_checkpoint_storage(trainer)
+        super().setup(trainer)
+
+    def _check_full_checkpoint_storage(self, trainer) -> None:
+        """A full checkpoint is one file that global rank 0 writes: a run of several nodes can resume
+        from it only where every node sees that file. Refused at start, on every rank, when the
+        checkpoint folder is node-local (a probe file rank 0 writes is not seen on some node)."""
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if self.num_nodes <= 1 or self._writes_sharded() or not dirpath:
+            return
+        probe = Path(dirpath) / f".probe-{self.broadcast(os.urandom(8).hex())}"
+        if self.is_global_zero:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+        self.barrier("probe_written")
+        seen = probe.exists()
+        shared = self.reduce_boolean_decision(seen, all=True)
+        if self.is_global_zero:
+            probe.unlink()
+        if not shared:
+            raise ValueError(
+                f"full checkpoints (trainer.strategy.init_args.state_dict_type: full) are written by rank 0 "
+                f"alone, and node {self.node_rank} {'sees' if seen else 'does not see'} its folder {dirpath}: "
+                "put trainer.default_root_dir on storage every node sees, or use state_dict_type: sharded "
+                "(every node keeps its part)"
+            )
+
+    def check_on_every_node(self, checkpoint_path) -> Path:
+        """The checkpoint to resume from, once every rank sees it. A multi-node run keeps its
+        checkpoints on each node's own disk if the path is node-local: sharded ones are readable
+        there (each node has its part and an index of it), a full one exists on the node of rank
+        0 only. Refused on every rank at once, naming the setting, instead of a crash or a hang."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        readable = path.is_file() or (path / META).is_file()
+        if not self.reduce_boolean_decision(readable, all=True):
+            where = "here" if not readable else "on another node"
+            raise FileNotFoundError(
+                f"cannot resume: checkpoint {path} is missing {where} (node {self.node_rank}). {_RESUME_HINT}"
+            )
+        return path
+
+    def remove_checkpoint(self, filepath) -> None:
+        """`ModelCheckpoint` removes a superseded checkpoint through this on every rank; Lightning
+        removes it on global rank 0 only, so node-local storage kept every other node's copy until
+        its disk was full. Each node's local rank 0 removes its node's copy (on shared storage the
+        nodes remove the same one: a folder or file already gone is fine)."""
+        if self.local_rank == 0:
+            _remove(Path(filepath))
 
 
 class CheckpointWriteError(OSError):
@@ -76,5 +203,5 @@ def _rename(partial: Path, final: Path, old: Path) -> None:
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)  # another node may remove a shared folder too
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)

@@ -288,17 +288,21 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
+    def _writes_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's FSDP loading, plus checkpoints that hold only the trainable tensors (a LoRA
-        run, `Qwen3TTSModule.frozen_keys`): the frozen base weights keep the values they were
-        built with (from the pretrained directory); every trainable tensor must be there."""
+        """Lightning's FSDP loading, once every node sees the checkpoint, plus checkpoints that hold
+        only the trainable tensors (a LoRA run, `Qwen3TTSModule.frozen_keys`): the frozen base
+        weights keep the values they were built with (from the pretrained directory); every
+        trainable tensor must be there."""
         from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
 
+        path = self.check_on_every_node(checkpoint_path)
         module, model = self.lightning_module, self.model
         frozen = getattr(module, "frozen_keys", None)
         if not frozen or getattr(module, "adapter", None) is None or module is None or model is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        path = Path(self.broadcast(checkpoint_path))
+            return super().load_checkpoint(path, weights_only)
         if _is_full_checkpoint(path):
             from lightning.fabric.utilities.load import _lazy_load
 

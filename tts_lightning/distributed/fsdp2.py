@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import fnmatch
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -231,6 +230,11 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
                 module.reshard()
 
     # -- checkpoints -------------------------------------------------------------------------
+    _sharded_state_key = "state_dict"  # ModelParallelStrategy's layout: {"state_dict": ..., "optimizer_0": ...}
+
+    def _writes_sharded(self) -> bool:
+        return self._save_distributed_checkpoint
+
     def _adapter_module(self) -> nn.Module | None:
         """The LightningModule when it trains LoRA adapters (its checkpoints hold the trainable
         tensors and buffers only: `Qwen3TTSModule.frozen_keys`), else None."""
@@ -259,12 +263,12 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
         own shards (Lightning would ask it for the frozen keys too); a full one goes through
         Lightning's loading, which skips absent keys when ``strict_loading`` is off (it is for
         adapters)."""
+        path = self.check_on_every_node(checkpoint_path)
         module = self._adapter_module()
         if module is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return super().load_checkpoint(path, weights_only)
         from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
 
-        path = Path(self.broadcast(checkpoint_path))
         if _is_full_checkpoint(path):
             from lightning.fabric.utilities.load import _lazy_load
 
