@@ -40,23 +40,8 @@ from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, Talker
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
-from tts_lightning.deprecation import moved
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
-
-# Moved to tts_lightning.data.prepare / tts_lightning.data.batching; the old paths warn for one release.
-__getattr__ = moved(
-    __name__,
-    {
-        "PREPARED_VERSION": "tts_lightning.data.prepare:PREPARED_VERSION",
-        "VALIDATION_MEMO_VERSION": "tts_lightning.data.prepare:VALIDATION_MEMO_VERSION",
-        "CACHE_DIR_NAME": "tts_lightning.data.prepare:CACHE_DIR_NAME",
-        "default_cache_dir": "tts_lightning.data.prepare:default_cache_dir",
-        "split_validation": "tts_lightning.data.prepare:split_validation",
-        "validate_with_memo": "tts_lightning.data.prepare:validate_with_memo",
-        "load_codes_shape": "tts_lightning.data.prepare:load_codes_shape",
-    },
-)
 
 
 class DistributedSamplerError(RuntimeError):

@@ -170,11 +170,6 @@ def validate_with_memo(
     return report
 
 
-def load_codes_shape(path: Path) -> tuple[int, ...]:
-    """The shape of a cached ``.npy`` codes file, from its header (checked: `check_codes_header`)."""
-    return check_codes_header(path)
-
-
 class PrepareStopped(RuntimeError):
     """Raised on the ranks of a run whose own step of `DataPreparer.prepare_on_all_ranks` went
     well when another rank's failed (that rank raises its own error)."""
