@@ -55,11 +55,13 @@ def _accepted(manifest: Path):
 def test_second_prepare_encodes_nothing_and_a_rewritten_clip_is_reencoded(
     tiny_dir, demo_copy, encode_counter, monkeypatch
 ):
-    import tts_lightning.data.prepare as prepare
+    import tts_lightning.data.validation_memo as validation_memo
 
     validations = []
-    real_validate = prepare.validate_clips
-    monkeypatch.setattr(prepare, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k))
+    real_validate = validation_memo.validate_clips
+    monkeypatch.setattr(
+        validation_memo, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k)
+    )
 
     data = SpeakerClipsDataModule(str(tiny_dir), str(demo_copy))
     data.prepare()

@@ -13,11 +13,13 @@ import pytest
 import soundfile as sf
 import torch
 
+from tts_lightning.data.cache_folder import CACHEDIR_TAG
 from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule, rank_device
 from tts_lightning.data.demo import demo_dir
-from tts_lightning.data.manifest import CACHEDIR_TAG, ClipRecord
-from tts_lightning.data.prepare import PreparedIndex, split_validation
+from tts_lightning.data.manifest import ClipRecord
 from tts_lightning.data.prepare_cli import prepare_command
+from tts_lightning.data.prepared_index import PreparedIndex
+from tts_lightning.data.selection import split_validation
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.model.sequence import TalkerBatch
 
