@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import codecs
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +39,30 @@ class PrepareSettings:
     num_reference_clips: int = 3
     encode_batch_size: int = 8
     prepare_device: str | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a bad value now rather than in the middle of prepare."""
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.normalize not in (None, "peak", "rms"):
+            raise ValueError(f"normalize must be None, 'peak' or 'rms', got {self.normalize!r}")
+        if self.manifest_encoding is not None:
+            try:
+                codecs.lookup(self.manifest_encoding)
+            except LookupError:
+                raise ValueError(f"unknown manifest_encoding {self.manifest_encoding!r}") from None
+        if self.speakers is not None:
+            speakers = list(self.speakers)
+            dupes = sorted(s for s, n in Counter(speakers).items() if n > 1)
+            if not speakers or dupes:
+                raise ValueError(f"speakers must be a non-empty list of distinct names, got {speakers}")
+            object.__setattr__(self, "speakers", tuple(speakers))  # a list from YAML or Python
+        self.validation_config()  # raises on a bad validation setting
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> PrepareSettings:
+        """The settings among ``arguments`` (e.g. `SpeakerClipsDataModule`'s, which has more)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls) if f.name in arguments})
 
     def validation_config(self) -> ValidationConfig:
         return ValidationConfig(
