@@ -9,7 +9,7 @@ Layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_cache``)::
     validation/<manifest>.json     the memoised validation of each manifest
     validation/parts/              each rank's checks of its share of the files, while a run validates
     ranks/                         one empty file per rank while a run finds out which ranks share the folder
-    fingerprints.json              file digests by size and modification time (tts_lightning.data.codec_cache)
+    fingerprints.json (+ .lock)    file digests by size and modification time (tts_lightning.data.fingerprints)
     codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
     speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
     speakers/parts/                embeddings computed by the ranks of a run, until the table takes them
