@@ -13,7 +13,7 @@ Layout (``cache_dir``, default ``<manifest folder>/.tts_lightning_cache``)::
     codes/<tokenizer_id>/<key>.npy codes (T x 16) per clip      (tts_lightning.data.codec_cache)
     speakers/<model_id>.pt         fp32 embedding per speaker   (tts_lightning.data.speakers)
     speakers/parts/                embeddings computed by the ranks of a run, until the table takes them
-    segments/<tag>-<key>/          clips cut from a long recording at its subtitles (tts_lightning.data.subtitles)
+    segments/<tag>-<key>/          clips cut from a long recording at its subtitles (tts_lightning.data.segments)
 """
 
 from __future__ import annotations

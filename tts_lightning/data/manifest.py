@@ -113,7 +113,7 @@ class ClipRecord:
     language: str = "auto"
     # Pre-computed codec codes (T x 16 ints) from a prepared JSONL; nested tuples so the record stays hashable.
     audio_codes: tuple[tuple[int, ...], ...] | None = None
-    # A long recording to cut at these subtitles' cues (tts_lightning.data.subtitles); text is empty.
+    # A long recording to cut at these subtitles' cues (tts_lightning.data.segments); text is empty.
     subtitles: Path | None = None
 
 

@@ -32,6 +32,7 @@ from tts_lightning.data.prepare_settings import PrepareSettings
 from tts_lightning.data.prepared_index import PreparedIndex, build_index, read_index_json
 from tts_lightning.data.progress import EncodeProgress
 from tts_lightning.data.report_log import ReportLog
+from tts_lightning.data.segments import Segment, cut_subtitled
 from tts_lightning.data.selection import (
     Plan,
     check_speakers,
@@ -41,7 +42,7 @@ from tts_lightning.data.selection import (
     reject_unknown_languages,
 )
 from tts_lightning.data.speakers import compute_speaker_table, embed_speakers, select_references
-from tts_lightning.data.subtitles import Segment, cut_subtitled, subtitle_speakers
+from tts_lightning.data.subtitles import subtitle_speakers
 from tts_lightning.data.validation import AcceptedClip, FileCheck, ValidationConfig, ValidationReport, files_to_check
 from tts_lightning.data.validation_memo import (
     file_stamp,
