@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tts_lightning.data import fingerprints
+from tts_lightning.files import WriteError
 
 
 def test_the_fingerprint_memo_keeps_an_entry_written_meanwhile(tmp_path):
@@ -51,3 +53,15 @@ def test_processes_adding_entries_at_once_lose_none(tmp_path):
     entries = json.loads(memo.read_text())
     assert sorted(entries) == sorted(f"{w}-{k}" for w in range(WRITERS) for k in range(ENTRIES))
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # every write renamed into place
+
+
+def test_a_lock_that_cannot_be_made_is_a_write_error(tmp_path, monkeypatch):
+    """The lock file is written like any file of ours: no room or no right to create it is one
+    clear `WriteError` naming it."""
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.lock_file))
+
+    monkeypatch.setattr(fingerprints.FileLock, "acquire", full)
+    with pytest.raises(WriteError, match=r"cannot write .*fingerprints\.json\.lock: no space left on device"):
+        fingerprints.update_memo(tmp_path / "fingerprints.json", {"a": 1})

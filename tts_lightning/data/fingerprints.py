@@ -20,7 +20,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from tts_lightning.files import atomic_write_json, sha256_file
+from tts_lightning.files import WriteError, atomic_write_json, sha256_file
 
 MEMO_NAME = "fingerprints.json"
 _ID_LENGTH = 16
@@ -87,6 +87,13 @@ def read_memo(path: Path) -> dict:
 def update_memo(path: Path, entries: dict) -> None:
     """Write ``entries`` into the memo at ``path``, under its lock: read, merged, written beside it
     and renamed into place, so an entry another process wrote meanwhile stays."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{path}.lock"):
+    lock = FileLock(f"{path}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:  # a full disk or an unwritable folder: one clear error, as any write of ours
+        raise WriteError(lock.lock_file, exc) from exc
+    try:
         atomic_write_json(path, {**read_memo(path), **entries})
+    finally:
+        lock.release()
