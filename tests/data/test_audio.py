@@ -13,7 +13,6 @@ from tts_lightning.data.audio import (
     AudioReadError,
     load_audio,
     read_audio,
-    to_mono_24k,
 )
 
 
@@ -75,16 +74,6 @@ def test_trim_silence_cuts_edges_only(tmp_path: Path, make_sine) -> None:
     # tone + inner gap + tone = 1.5 s stays, give or take one 10 ms frame per edge.
     assert abs(trimmed.numel() - int(1.5 * sr)) <= 2 * sr // 100
     assert trimmed[: sr // 100].abs().max() > 0.1
-
-
-def test_to_mono_24k_accepts_numpy_int16_samples_by_channels(make_sine) -> None:
-    sr = 44_100
-    stereo = np.stack([make_sine(1.0, sr, amp=0.5), make_sine(1.0, sr, amp=0.5)], axis=1)  # (samples, channels)
-    pcm = (stereo * 32767).astype(np.int16)
-    out = to_mono_24k(pcm, sr)
-    assert out.shape == (24_000,) and out.dtype == torch.float32
-    assert out.abs().max().item() == pytest.approx(0.5, rel=0.02)
-    assert to_mono_24k(torch.from_numpy(stereo.T.copy()), sr).shape == (24_000,)
 
 
 def test_bad_files_raise_audio_read_error_naming_the_file(tmp_path: Path, write_tone) -> None:

@@ -55,11 +55,13 @@ def _accepted(manifest: Path):
 def test_second_prepare_encodes_nothing_and_a_rewritten_clip_is_reencoded(
     tiny_dir, demo_copy, encode_counter, monkeypatch
 ):
-    import tts_lightning.data.prepare as prepare
+    import tts_lightning.data.validation_memo as validation_memo
 
     validations = []
-    real_validate = prepare.validate_clips
-    monkeypatch.setattr(prepare, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k))
+    real_validate = validation_memo.validate_clips
+    monkeypatch.setattr(
+        validation_memo, "validate_clips", lambda *a, **k: validations.append(1) or real_validate(*a, **k)
+    )
 
     data = SpeakerClipsDataModule(str(tiny_dir), str(demo_copy))
     data.prepare()
@@ -149,19 +151,3 @@ def test_a_clip_rewritten_after_validation_is_not_encoded_under_its_old_key(tiny
     with pytest.raises(AudioChangedError, match=f"^{re.escape(str(clip.record.audio))} changed after it was validated"):
         cache.encode_missing([clip])
     assert not cache.path(clip).exists()
-
-
-def test_the_fingerprint_memo_keeps_an_entry_written_meanwhile(tmp_path):
-    """The ranks of a run fill one memo (fingerprints.json) at once: what another process wrote
-    while this one was computing stays (it was lost, and hashed again on the next run)."""
-    memo, a, b = tmp_path / "fingerprints.json", tmp_path / "a.bin", tmp_path / "b.bin"
-    a.write_bytes(b"a")
-    b.write_bytes(b"b")
-
-    def compute() -> str:  # meanwhile, another process memoises another file
-        codec_cache.fingerprint_files([b], memo)
-        return "value"
-
-    assert codec_cache.memoized_by_stat(memo, "name", [a], compute) == "value"
-    assert set(json.loads(memo.read_text())) == {"name", str(b.resolve())}
-    assert codec_cache.memoized_by_stat(memo, "name", [a], lambda: pytest.fail("computed again")) == "value"

@@ -13,11 +13,13 @@ import pytest
 import soundfile as sf
 import torch
 
+from tts_lightning.data.cache_folder import CACHEDIR_TAG
 from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule, rank_device
 from tts_lightning.data.demo import demo_dir
-from tts_lightning.data.manifest import CACHEDIR_TAG, ClipRecord
-from tts_lightning.data.prepare import PreparedIndex, split_validation
+from tts_lightning.data.manifest import ClipRecord
 from tts_lightning.data.prepare_cli import prepare_command
+from tts_lightning.data.prepared_index import PreparedIndex
+from tts_lightning.data.selection import split_validation
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.model.sequence import TalkerBatch
 
@@ -62,6 +64,30 @@ def test_split_leaves_every_speaker_a_training_clip():
         assert alone.content_hash not in split_validation([alone, *map(_clip, range(9))], 0.2, seed=seed)
     assert split_validation([_clip(0, "a"), _clip(1, "b")], 0.5, seed=0) == set()  # one clip each: no split
     assert len(split_validation([alone, *map(_clip, range(9))], 0.2, seed=0)) == 2  # the count kept
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), got 1.0"),
+        ({"max_frames_per_batch": None}, "set max_frames_per_batch, batch_size, or both"),
+        ({"normalize": "loud"}, "normalize must be None, 'peak' or 'rms', got 'loud'"),
+        ({"num_workers": -1}, "num_workers must be >= 0, got -1"),
+        ({"manifest_encoding": "klingon-8"}, "unknown manifest_encoding 'klingon-8'"),
+        ({"speakers": ["a", "b", "a"]}, r"speakers must be a non-empty list of distinct names, got \['a', 'b', 'a'\]"),
+        ({"speakers": []}, r"distinct names, got \[\]"),
+        ({"clipped_action": "drop"}, "clipped_action must be one of"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_data_module_is_built(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        SpeakerClipsDataModule("nowhere", "nowhere/train.jsonl", **arguments)
+
+
+def test_the_preparation_arguments_become_the_settings_and_all_arguments_the_hparams():
+    data = SpeakerClipsDataModule("p", "train.jsonl", speakers=["b", "a"], seed=3, batch_size=4, num_workers=1)
+    assert data.settings.speakers == ("b", "a") and data.settings.seed == 3 and data.settings.pretrained == "p"
+    assert data.hparams["batch_size"] == 4 and data.hparams["seed"] == 3 and "speakers" not in data.hparams
 
 
 def test_split_stable_across_instances(tiny_dir, prepared):

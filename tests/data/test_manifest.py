@@ -7,13 +7,8 @@ import pytest
 import soundfile as sf
 
 from tts_lightning.data.audio import read_audio
-from tts_lightning.data.manifest import (
-    CACHEDIR_TAG,
-    ClipRecord,
-    ManifestEncodingError,
-    load_manifest,
-    write_cachedir_tag,
-)
+from tts_lightning.data.cache_folder import CACHEDIR_TAG, write_cachedir_tag
+from tts_lightning.data.manifest import ClipRecord, ManifestEncodingError, load_manifest
 
 
 def _jsonl(path: Path, lines: list[str]) -> Path:

@@ -109,7 +109,7 @@ def _rank_main(
     does none. First, a run whose validation fails on the finishing rank alone (every clip too
     short): every rank stops, each with its own error, none waits."""
     import tts_lightning.data.codec_cache as codec_cache
-    import tts_lightning.data.prepare as prepare
+    import tts_lightning.data.prepare_ranks as prepare_ranks
     import tts_lightning.data.speakers as speakers
     import tts_lightning.data.validation as validation
 
@@ -131,12 +131,12 @@ def _rank_main(
         failing = DataPreparer(
             PrepareSettings(tiny_dir, manifest, cache_dir=str(Path(layouts[0][0]).parent / "fail"), min_duration=20.0)
         )
-        expected = (ValueError, "no usable clips") if rank == 0 else (prepare.PrepareStopped, "while validating")
+        expected = (ValueError, "no usable clips") if rank == 0 else (prepare_ranks.PrepareStopped, "while validating")
         with pytest.raises(expected[0], match=expected[1]):
             failing.prepare_on_all_ranks(WORLD, rank, agree=agree, gather=gather, device="cpu")
         for again in (False, True):
             if again:
-                prepare.check_file = validation.check_file = fail
+                prepare_ranks.check_file = validation.check_file = fail
                 codec_cache.CodecCache._get_tokenizer = fail
                 speakers.SpeakerEncoder.embed_files = fail
             for layout, caches in enumerate(layouts):

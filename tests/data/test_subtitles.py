@@ -16,7 +16,8 @@ from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import load_manifest
-from tts_lightning.data.subtitles import SubtitleError, cut_subtitled, merge_cues, parse_subtitles
+from tts_lightning.data.segments import cut_subtitled
+from tts_lightning.data.subtitles import SubtitleError, merge_cues, parse_subtitles
 
 SR = 24_000
 

@@ -15,8 +15,8 @@ import torchaudio
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import ClipRecord, ManifestResult, load_manifest
-from tts_lightning.data.prepare import validate_with_memo
 from tts_lightning.data.validation import FileCheck, ValidationConfig, check_file, files_to_check, validate_clips
+from tts_lightning.data.validation_memo import validate_with_memo
 
 CONFIG = ValidationConfig(min_duration=0.5, max_duration=3.0, silence_threshold_db=-50.0)
 

@@ -133,32 +133,6 @@ def _clean_sf_message(exc: Exception) -> str:
     return msg or type(exc).__name__
 
 
-def _as_float_tensor(waveform: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(waveform, np.ndarray):
-        if np.issubdtype(waveform.dtype, np.integer):
-            scale = float(np.iinfo(waveform.dtype).max) + 1.0
-            return torch.from_numpy(waveform.astype(np.float32) / scale)
-        return torch.from_numpy(np.ascontiguousarray(waveform, dtype=np.float32))
-    if not torch.is_floating_point(waveform):
-        scale = float(torch.iinfo(waveform.dtype).max) + 1.0
-        return waveform.to(torch.float32) / scale
-    return waveform.to(torch.float32)
-
-
-def _to_mono(wave: torch.Tensor) -> torch.Tensor:
-    """(samples,) or (channels, samples) -> (samples,).
-
-    A 2-D input whose first axis is the longer one is taken as soundfile's (samples, channels).
-    """
-    if wave.dim() == 1:
-        return wave
-    if wave.dim() != 2:
-        raise ValueError(f"expected a 1-D or 2-D waveform, got shape {tuple(wave.shape)}")
-    if wave.shape[0] > wave.shape[1]:
-        wave = wave.T
-    return wave.mean(dim=0)
-
-
 def resample(wave: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
     """Resample along the last axis to exactly round(n * new_sr / orig_sr) samples."""
     if orig_sr == new_sr:
@@ -172,14 +146,6 @@ def resample(wave: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
     elif out.shape[-1] < want:
         out = torch.nn.functional.pad(out, (0, want - out.shape[-1]))
     return out
-
-
-def to_mono_24k(waveform: torch.Tensor | np.ndarray, sr: int) -> torch.Tensor:
-    """In-memory audio at any rate/channel layout -> mono float32 1-D tensor at 24 kHz."""
-    if sr <= 0:
-        raise ValueError(f"sample rate must be positive, got {sr}")
-    wave = _to_mono(_as_float_tensor(waveform))
-    return resample(wave, sr, TARGET_SAMPLE_RATE).contiguous()
 
 
 def peak_normalize(wave: torch.Tensor, peak: float = PEAK_TARGET) -> torch.Tensor:

@@ -27,15 +27,16 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
+from tts_lightning.data.fingerprints import fingerprint_files, fingerprint_memo
 from tts_lightning.data.validation import AcceptedClip
-from tts_lightning.files import atomic_write, atomic_write_json, remove_stale_temporaries, sha256_file
+from tts_lightning.files import atomic_write, remove_stale_temporaries
 from tts_lightning.model.pretrained import PretrainedInfo, load_speech_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,67 +44,8 @@ logger = logging.getLogger(__name__)
 SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 Hz
 CODEC_CACHE_VERSION = 1  # bump when the key or the file format changes
 MANIFEST_CODES_DIR = "manifest"
-_ID_LENGTH = 16
 
 Progress = Callable[[int, int, float, float], None]  # (clips done, clips to do, seconds done, seconds to do)
-
-
-def fingerprint_files(paths: Sequence[str | os.PathLike], memo_path: str | os.PathLike | None = None) -> str:
-    """sha256 over the contents of ``paths`` (in order), short hex.
-
-    With ``memo_path``, each file's digest is remembered there against its size and modification
-    time, so a multi-gigabyte checkpoint is hashed once, not on every run.
-    """
-    memo_file = Path(memo_path) if memo_path is not None else None
-    memo = {} if memo_file is None else _read_memo(memo_file)
-    changed: dict = {}
-    outer = hashlib.sha256()
-    for p in paths:
-        p = Path(p).resolve()
-        st = p.stat()
-        stamp = [st.st_size, st.st_mtime_ns]
-        entry = memo.get(str(p))
-        if entry is not None and entry.get("stamp") == stamp:
-            digest = entry["sha256"]
-        else:
-            digest = sha256_file(p)
-            changed[str(p)] = {"stamp": stamp, "sha256": digest}
-        outer.update(f"{p.name}:{digest}\n".encode())
-    if memo_file is not None and changed:
-        _update_memo(memo_file, changed)
-    return outer.hexdigest()[:_ID_LENGTH]
-
-
-def memoized_by_stat(
-    memo_path: str | os.PathLike, name: str, files: Sequence[str | os.PathLike], compute: Callable[[], str]
-) -> str:
-    """``compute()``, remembered in ``memo_path`` under ``name`` for as long as ``files`` keep
-    their size and modification time."""
-    memo_file = Path(memo_path)
-    stamp = []
-    for p in files:
-        st = Path(p).stat()
-        stamp.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
-    entry = _read_memo(memo_file).get(name)
-    if isinstance(entry, dict) and entry.get("stamp") == stamp:
-        return entry["value"]
-    value = compute()
-    _update_memo(memo_file, {name: {"stamp": stamp, "value": value}})
-    return value
-
-
-def _read_memo(path: Path) -> dict:
-    try:
-        memo = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return memo if isinstance(memo, dict) else {}
-
-
-def _update_memo(path: Path, entries: dict) -> None:
-    """Write ``entries`` into the memo at ``path``, re-read just before: the ranks of a run fill one
-    memo at once, and an entry another wrote while this one was hashing stays."""
-    atomic_write_json(path, {**_read_memo(path), **entries})
 
 
 # -- codes -------------------------------------------------------------------------------------
@@ -178,7 +120,7 @@ class CodecCache:
         if self._tokenizer_id is None:
             d = self.info.speech_tokenizer_dir
             self._tokenizer_id = fingerprint_files(
-                [d / "model.safetensors", d / "config.json"], self.cache_dir / "fingerprints.json"
+                [d / "model.safetensors", d / "config.json"], fingerprint_memo(self.cache_dir)
             )
         return self._tokenizer_id
 

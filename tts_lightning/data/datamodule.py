@@ -22,9 +22,7 @@ flag left on, ``setup`` and the dataloader hooks raise an error that says so.
 
 from __future__ import annotations
 
-import codecs
 import copy
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -40,23 +38,8 @@ from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, Talker
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
-from tts_lightning.deprecation import moved
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
-
-# Moved to tts_lightning.data.prepare / tts_lightning.data.batching; the old paths warn for one release.
-__getattr__ = moved(
-    __name__,
-    {
-        "PREPARED_VERSION": "tts_lightning.data.prepare:PREPARED_VERSION",
-        "VALIDATION_MEMO_VERSION": "tts_lightning.data.prepare:VALIDATION_MEMO_VERSION",
-        "CACHE_DIR_NAME": "tts_lightning.data.prepare:CACHE_DIR_NAME",
-        "default_cache_dir": "tts_lightning.data.prepare:default_cache_dir",
-        "split_validation": "tts_lightning.data.prepare:split_validation",
-        "validate_with_memo": "tts_lightning.data.prepare:validate_with_memo",
-        "load_codes_shape": "tts_lightning.data.prepare:load_codes_shape",
-    },
-)
 
 
 class DistributedSamplerError(RuntimeError):
@@ -113,6 +96,10 @@ class SpeakerClipsDataModule(LightningDataModule):
         prepare_device: device for the speech tokenizer and speaker encoder while preparing
             (default: cuda when available, else cpu). In a run of several processes on GPUs, a
             CUDA device means each rank's own GPU (see `rank_device`).
+
+    The signature is long on purpose: LightningCLI reads it, and each argument is one flat key
+    under ``data:`` that configs and the README use; the preparation ones become a
+    `PrepareSettings`, built (and checked) in one place.
     """
 
     def __init__(
@@ -147,53 +134,15 @@ class SpeakerClipsDataModule(LightningDataModule):
         predict_speakers: list[str] | None = None,
     ) -> None:
         super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if max_frames_per_batch is None and batch_size is None:
             raise ValueError("set max_frames_per_batch, batch_size, or both")
-        if normalize not in (None, "peak", "rms"):
-            raise ValueError(f"normalize must be None, 'peak' or 'rms', got {normalize!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if manifest_encoding is not None:
-            try:
-                codecs.lookup(manifest_encoding)
-            except LookupError:
-                raise ValueError(f"unknown manifest_encoding {manifest_encoding!r}") from None
-        if speakers is not None:
-            speakers = list(speakers)
-            dupes = sorted(s for s, n in Counter(speakers).items() if n > 1)
-            if not speakers or dupes:
-                raise ValueError(f"speakers must be a non-empty list of distinct names, got {speakers}")
         # `speakers` is left out: the model carries the resolved list (linked from `speaker_names`),
         # and Lightning refuses two different values under one hparam name.
         self.save_hyperparameters(ignore=["speakers"])
-        # The arguments, typed; `hparams` keeps them for checkpoints and the saved config.
-        self.settings = PrepareSettings(
-            pretrained=pretrained,
-            train_manifest=train_manifest,
-            val_manifest=val_manifest,
-            val_fraction=val_fraction,
-            cache_dir=cache_dir,
-            speakers=None if speakers is None else tuple(speakers),
-            default_speaker=default_speaker,
-            language=language,
-            seed=seed,
-            min_duration=min_duration,
-            max_duration=max_duration,
-            manifest_encoding=manifest_encoding,
-            max_clipped_fraction=max_clipped_fraction,
-            clipped_action=clipped_action,
-            max_rate_zscore=max_rate_zscore,
-            mismatch_action=mismatch_action,
-            subtitle_target_seconds=subtitle_target_seconds,
-            normalize=normalize,
-            trim_silence=trim_silence,
-            num_reference_clips=num_reference_clips,
-            encode_batch_size=encode_batch_size,
-            prepare_device=prepare_device,
-        )
-        self.settings.validation_config()  # raises on a bad value now rather than in prepare
+        # The preparation arguments, typed and checked; `hparams` keeps them for checkpoints and the saved config.
+        self.settings = PrepareSettings.from_arguments({**self.hparams, "speakers": speakers})
         self.max_frames_per_batch = max_frames_per_batch
         self.batch_size = batch_size
         self.num_workers = num_workers

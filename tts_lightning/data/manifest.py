@@ -19,6 +19,8 @@ from typing import Any
 
 import soundfile as sf
 
+from tts_lightning.data.cache_folder import is_cache_dir
+
 # What soundfile (libsndfile) decodes; Opus only where this libsndfile build has it (>= 1.0.29).
 _OPUS = {".opus"} if "OPUS" in sf.available_subtypes("OGG") else set()
 AUDIO_EXTENSIONS: frozenset[str] = frozenset({".wav", ".flac", ".ogg", ".mp3", ".aif", ".aiff", *_OPUS})
@@ -49,25 +51,6 @@ REJECTION_REASONS: frozenset[str] = frozenset(
 )
 
 DEFAULT_ENCODING = "utf-8"
-
-# A Cache Directory Tagging Specification tag (https://bford.info/cachedir/): folders holding it are
-# skipped by folder manifests (and by backup tools), so a cache inside the data is never read as data.
-CACHEDIR_TAG = (
-    "Signature: 8a477f597d28d172789f06886806bc55\n"
-    "# This file is a cache directory tag created by tts-lightning.\n"
-    "# For information about cache directory tags see https://bford.info/cachedir/\n"
-)
-
-
-def write_cachedir_tag(folder: Path) -> None:
-    """Write `CACHEDIR_TAG` as ``folder/CACHEDIR.TAG`` (creating the folder) unless a tag is already there."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(folder / "CACHEDIR.TAG", "x", encoding="ascii") as f:
-            f.write(CACHEDIR_TAG)
-    except FileExistsError:
-        pass  # written earlier, or by another rank at the same time
 
 
 class ManifestEncodingError(ValueError):
@@ -130,7 +113,7 @@ class ClipRecord:
     language: str = "auto"
     # Pre-computed codec codes (T x 16 ints) from a prepared JSONL; nested tuples so the record stays hashable.
     audio_codes: tuple[tuple[int, ...], ...] | None = None
-    # A long recording to cut at these subtitles' cues (tts_lightning.data.subtitles); text is empty.
+    # A long recording to cut at these subtitles' cues (tts_lightning.data.segments); text is empty.
     subtitles: Path | None = None
 
 
@@ -336,16 +319,6 @@ def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: st
     return ManifestResult(records, rejected)
 
 
-def _is_cache_dir(folder: Path) -> bool:
-    """True when ``folder`` holds a CACHEDIR.TAG starting with the spec's 43-byte signature line."""
-    signature = CACHEDIR_TAG.split("\n", 1)[0].encode()
-    try:
-        with open(folder / "CACHEDIR.TAG", "rb") as f:
-            return f.read(len(signature)) == signature
-    except OSError:
-        return False
-
-
 def _folder_files(root: Path) -> list[Path]:
     """Every file below ``root`` (sorted) except hidden ones (``.x``, macOS ``._x``) and those in
     hidden or tagged cache sub-folders; symlinked folders are not followed."""
@@ -353,7 +326,7 @@ def _folder_files(root: Path) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         # Pruned in place so os.walk never enters them (root itself is read even if tagged: it was asked for).
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not _is_cache_dir(here / d)]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not is_cache_dir(here / d)]
         found += [here / name for name in filenames if not name.startswith(".")]
     return sorted(found)
 

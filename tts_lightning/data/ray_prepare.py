@@ -51,9 +51,8 @@ class _Encoder:
 
 
 def _package_root() -> str:
-    import tts_lightning
-
-    return str(Path(tts_lightning.__file__).resolve().parents[1])
+    """The folder that holds the tts_lightning package (for the workers' PYTHONPATH)."""
+    return str(Path(__file__).resolve().parents[2])  # <root>/tts_lightning/data/ray_prepare.py
 
 
 def encode_with_ray(

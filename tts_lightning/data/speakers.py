@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
-from tts_lightning.data.codec_cache import memoized_by_stat
+from tts_lightning.data.fingerprints import fingerprint_memo, memoized_by_stat
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.files import atomic_write, sha256_file
 from tts_lightning.model.pretrained import PretrainedInfo, load_config, load_state_dict
@@ -237,7 +237,7 @@ def embed_speakers(
     names = list(names)
     if not names:
         return
-    encoder = SpeakerEncoder(info, device, memo_path=Path(cache_dir) / "fingerprints.json")
+    encoder = SpeakerEncoder(info, device, memo_path=fingerprint_memo(cache_dir))
     options = {"sample_rate": TARGET_SAMPLE_RATE, "normalize": normalize, "trim_silence": trim_silence}
     store = _read_store(speaker_table_path(cache_dir, encoder.fingerprint))
     for name in names:
@@ -272,7 +272,7 @@ def compute_speaker_table(
     """Embeddings for ``references`` (name -> files), in that order, reusing the cache where each
     speaker's key is unchanged and the embeddings `embed_speakers` left. The cache file keeps other
     speakers it already held."""
-    encoder = encoder or SpeakerEncoder(info, device, memo_path=Path(cache_dir) / "fingerprints.json")
+    encoder = encoder or SpeakerEncoder(info, device, memo_path=fingerprint_memo(cache_dir))
     options = {"sample_rate": TARGET_SAMPLE_RATE, "normalize": normalize, "trim_silence": trim_silence}
     path = speaker_table_path(cache_dir, encoder.fingerprint)
     store = _read_store(path)

@@ -71,7 +71,7 @@ class ValidationReport:
     rejected: list[Rejection] = field(default_factory=list)
     config: ValidationConfig = field(default_factory=ValidationConfig)
     warnings: list[Rejection] = field(default_factory=list)
-    # Clips cut from long recordings at their subtitles (tts_lightning.data.subtitles.Segment as dicts).
+    # Clips cut from long recordings at their subtitles (tts_lightning.data.segments.Segment as dicts).
     segments: list[dict] = field(default_factory=list)
 
     @property
