@@ -93,8 +93,9 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
     else:
         yield plain if trainer.is_global_zero else None
         return
-    model = copy_model(plain, dtype=dtype, device=pl_module.device, state=state) if trainer.is_global_zero else None
-    del state
+    tensors = cast("dict[str, Tensor]", state)  # parameters and buffers only: all tensors
+    model = copy_model(plain, dtype=dtype, device=pl_module.device, state=tensors) if trainer.is_global_zero else None
+    del state, tensors
     try:
         yield model
     finally:
@@ -240,9 +241,8 @@ class SpeakerSamplesCallback(Callback):
         monitors = {getattr(cb, "monitor", None) for cb in trainer.checkpoint_callbacks}
         if METRIC_NAME not in monitors:
             return
-        if not self.similarity:
-            reason = "SpeakerSamplesCallback has similarity: false"
-        else:
+        reason: str | None = "SpeakerSamplesCallback has similarity: false"
+        if self.similarity:
             from tts_lightning.metrics.speaker_similarity import similarity_unavailable
 
             reason = similarity_unavailable()

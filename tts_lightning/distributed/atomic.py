@@ -36,6 +36,7 @@ class AtomicCheckpoints(ParallelStrategy):
 
     _sharded_state_key = "model"
     _node_of_rank: list[int] | None = None
+    num_nodes: int  # set by the Trainer on Lightning's parallel strategies
 
     def _writes_sharded(self) -> bool:
         return False
@@ -106,7 +107,7 @@ class AtomicCheckpoints(ParallelStrategy):
     def _hand_out(self, path: Path, written: dict[str, Any]) -> None:
         """Every node's local rank 0 that does not see rank 0's index (node-local storage) writes its
         node's index and ``meta.pt`` into its folder."""
-        written = self.broadcast(written if self.is_global_zero else None)
+        written = self.broadcast(written if self.is_global_zero else {})
         if self.local_rank != 0 or (path / INDEX).is_file() or self.node_rank not in written["indexes"]:
             return
         path.mkdir(parents=True, exist_ok=True)
