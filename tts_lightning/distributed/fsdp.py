@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -291,58 +290,72 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
     def _writes_sharded(self) -> bool:
         return self._state_dict_type == "sharded"
 
+    # -- checkpoints: sharded ones lean (tts_lightning.distributed.lean_state), full ones Lightning's --
+    def _lean(self):
+        from tts_lightning.distributed.lean_state import LeanShards
+
+        assert self.model is not None, "the checkpoint is made after the model is set up"
+        if getattr(self, "_lean_shards", None) is None or self._lean_shards.model is not self.model:
+            self._lean_shards = LeanShards(self.model)
+        return self._lean_shards
+
+    def _saved_keys(self) -> set[str] | None:
+        """The module state a checkpoint holds: all of it, or for a LoRA run only the trainable
+        tensors and the buffers (`Qwen3TTSModule.frozen_keys` are rebuilt from the pretrained
+        directory)."""
+        from tts_lightning.distributed.lean_state import buffers
+
+        module = self.lightning_module
+        frozen = getattr(module, "frozen_keys", None)
+        if not frozen or getattr(module, "adapter", None) is None:
+            return None
+        return (set(self._lean().params) - set(frozen)) | set(buffers(self.model))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._state_dict_type != "sharded":
+            return super().lightning_module_state_dict()
+        from tts_lightning.distributed.lean_state import model_state_dict
+
+        return model_state_dict(self._lean(), self._saved_keys())
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's FSDP loading, once every node sees the checkpoint, plus checkpoints that hold
-        only the trainable tensors (a LoRA run, `Qwen3TTSModule.frozen_keys`): the frozen base
-        weights keep the values they were built with (from the pretrained directory); every
-        trainable tensor must be there."""
-        from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
+        """A sharded checkpoint read straight into this rank's shards and optimizer state (no gather,
+        at any world size); a full one by Lightning; once every node sees it. A LoRA run's checkpoint
+        holds the trainable tensors only (`Qwen3TTSModule.frozen_keys`): the frozen base keeps the
+        values it was built with (from the pretrained directory); every trainable tensor must be there."""
+        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _is_full_checkpoint, _is_sharded_checkpoint
+        from lightning.fabric.utilities.load import _lazy_load
 
         path = self.check_on_every_node(checkpoint_path)
-        module, model = self.lightning_module, self.model
-        frozen = getattr(module, "frozen_keys", None)
-        if not frozen or getattr(module, "adapter", None) is None or module is None or model is None:
-            return super().load_checkpoint(path, weights_only)
-        if _is_full_checkpoint(path):
-            from lightning.fabric.utilities.load import _lazy_load
-
-            check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
-            return super().load_checkpoint(path, weights_only)  # strict_loading is off for adapters
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        adapter = getattr(module, "adapter", None) is not None
         if not _is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only)
-        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME, _get_sharded_state_dict_context
-        from lightning.pytorch.trainer.states import TrainerFn
-        from torch.distributed.checkpoint import FileSystemReader, load
-        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            if adapter and _is_full_checkpoint(path):
+                check_trainable(module, set(_lazy_load(path)["state_dict"]), path)
+            return super().load_checkpoint(path, weights_only)  # strict_loading is off for adapters
+        from torch.distributed.checkpoint import FileSystemReader
 
-        stored = {
-            k[len("model.") :]
-            for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            if k.startswith("model.")
-        }
-        check_trainable(module, stored, path)
-        # Lightning annotates this context manager as a Generator.
-        with cast(AbstractContextManager[None], _get_sharded_state_dict_context(model)):
-            state = model.state_dict()
-            # Read what the checkpoint holds into the module's own (sharded) tensors; the frozen
-            # ones keep their values, and the whole state goes back in (FSDP needs every key).
-            load({"model": {k: v for k, v in state.items() if k in stored}}, checkpoint_id=path)
-            model.load_state_dict(state, strict=True)
-            if module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
-                reader = FileSystemReader(path=path)
-                for idx, optim in enumerate(self.optimizers):
-                    key = f"optimizer_{idx}"
-                    optim_state = load_sharded_optimizer_state_dict(
-                        model_state_dict=state, optimizer_key=key, storage_reader=reader
-                    )
-                    optim.load_state_dict(
-                        FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=model, optim=optim)
-                    )
+        from tts_lightning.distributed.lean_state import buffers, load
+
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = {k[len("model.") :] for k in metadata if k.startswith("model.")}
+        wanted = self._saved_keys() or set(self._lean().params) | set(buffers(self.model))
+        if adapter:
+            check_trainable(module, stored, path)
+        elif wanted - stored:
+            missing = sorted(wanted - stored)
+            raise KeyError(f"{path} lacks {len(missing)} tensor(s) of this model, e.g. {missing[:3]}")
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        load(self._lean(), path, keys=wanted & stored, optimizers=list(self.optimizers) if fitting else [])
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self._state_dict_type != "full" or self.root_device.type != "cpu":
+        if self._state_dict_type == "sharded":
+            from tts_lightning.distributed.lean_state import optimizer_state_dict
+
+            return optimizer_state_dict(self._lean(), getattr(optimizer, "_optimizer", optimizer))
+        if self.root_device.type != "cpu":
             return super().optimizer_state(optimizer)
         # On CPU, FSDP's offload_to_cpu (a no-op copy there) makes the full optimizer state reuse one
         # buffer for every state of a parameter: exp_avg came out equal to exp_avg_sq and a resumed
