@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 
+from tts_lightning.__main__ import main
 from tts_lightning.distributed.memory import (
     TEXT_EMBEDDING,
     GiB,
@@ -203,8 +204,8 @@ def test_plan_command_exit_codes(capsys):
         == 1
     )
     assert "FULL_SHARD" in capsys.readouterr().out
-    assert plan_command(["--model", "no-such-model", "--gpu-memory", "16"]) == 2
-    assert "no-such-model" in capsys.readouterr().err
+    assert main(["plan", "--model", "no-such-model", "--gpu-memory", "16"]) == 2
+    assert "tts-lightning plan: error: model 'no-such-model': not a preset" in capsys.readouterr().err
 
 
 def test_plan_from_yaml(tmp_path, tiny_dir, capsys):

@@ -1,6 +1,7 @@
 """The model commands (`model/tiny_cli.py`, `model/export_cli.py`, `model/synthesis_cli.py`) through
 the `tts-lightning` router, in process: names, messages and exit codes (their real runs are in
-tests/test_console.py, tests/model/test_tiny.py and tests/distributed/test_export.py)."""
+tests/test_console.py, tests/model/test_tiny.py and tests/distributed/test_export.py; every
+command's user errors in tests/test_user_errors.py)."""
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_help_keeps_the_program_name(command, description, capsys):
 
 
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
-    assert main(["export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "out")]) == 1
+    assert main(["export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tts-lightning export: error: ") and "nope.ckpt" in err and "does not exist" in err
     assert not (tmp_path / "out").exists()

@@ -79,26 +79,22 @@ def plan_command(argv: list[str]) -> int:
         ]
         if given:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
-    try:
-        if args.config:
-            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
-        else:
-            plan = plan_memory(
-                args.model,
-                gpus=args.gpus or 1,
-                gpu_memory_gb=args.gpu_memory,
-                sharding=args.sharding,
-                precision=args.precision,
-                activation_checkpointing=not args.no_activation_checkpointing,
-                cpu_offload=args.cpu_offload,
-                freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
-                micro_batch_frames=args.frames,
-                adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
-                layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
-            )
-    except (ValueError, OSError) as exc:
-        print(f"tts-lightning plan: {exc}", file=sys.stderr)
-        return 2
+    if args.config:
+        plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
+    else:
+        plan = plan_memory(
+            args.model,
+            gpus=args.gpus or 1,
+            gpu_memory_gb=args.gpu_memory,
+            sharding=args.sharding,
+            precision=args.precision,
+            activation_checkpointing=not args.no_activation_checkpointing,
+            cpu_offload=args.cpu_offload,
+            freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
+            micro_batch_frames=args.frames,
+            adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
+            layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
+        )
     print(plan.table())
     if plan.fits:
         print(
@@ -115,7 +111,9 @@ def plan_command(argv: list[str]) -> int:
 
 
 def main() -> None:  # pragma: no cover
-    sys.exit(plan_command(sys.argv[1:]))
+    from tts_lightning.__main__ import main as tts_lightning_main
+
+    sys.exit(tts_lightning_main(["plan", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":  # pragma: no cover

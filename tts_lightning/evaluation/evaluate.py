@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from tts_lightning.errors import UserError
 from tts_lightning.metrics.speech import (
     DEFAULT_LIMIT_FACTOR,
     frame_limit,
@@ -57,7 +58,7 @@ SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
 Dtype = Literal["bf16", "fp16", "fp32"]
 
 
-class EvaluationError(ValueError):
+class EvaluationError(UserError, ValueError):
     """The inputs of an evaluation are missing, of the wrong kind or do not match each other."""
 
 

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from tts_lightning.errors import UserError
+
 TTS_MODEL_TYPES = ("base", "custom_voice", "voice_design")
 TEXT_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 
-class PretrainedError(ValueError):
+class PretrainedError(UserError, ValueError):
     """A pretrained directory is missing, incomplete or not a Qwen3-TTS 12 Hz checkpoint."""
 
 
@@ -55,7 +57,10 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
         return default_tiny_dir()
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise PretrainedError(f"pretrained directory {text!r} does not exist")
+        raise PretrainedError(
+            f"pretrained directory {text!r} does not exist: give a Qwen3-TTS 12 Hz directory, a hub id "
+            "(Qwen/Qwen3-TTS-12Hz-1.7B-Base) or tiny"
+        )
     try:
         from huggingface_hub import snapshot_download
 

@@ -29,9 +29,11 @@ def synthesize_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     texts = list(args.text)
     if args.text_file:
-        texts += [t.strip() for t in args.text_file.read_text().splitlines() if t.strip()]
+        from tts_lightning.model.synthesis import read_text_file
+
+        texts += read_text_file(args.text_file, "--text-file")
     if not texts:
-        parser.error("give --text or --text-file")
+        parser.error("give --text or --text-file" + (f" ({args.text_file} holds no text)" if args.text_file else ""))
 
     import soundfile as sf
 
