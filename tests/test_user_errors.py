@@ -67,6 +67,8 @@ CASES = [
     ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--language", "Klingon", "--text", "Hi.", "--out", "{work}/x.wav"], "--language 'Klingon' is not one of this model's: auto, chinese, english, french, german, japanese"),
     ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--text-file", "{work}/nope.txt", "--out", "{work}/x.wav"], "--text-file {work}/nope.txt does not exist"),
     ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--text-file", "{work}/demo", "--out", "{work}/x.wav"], "--text-file {work}/demo is a folder; give a text file with one text per line"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--device", "tpu9", "--text", "Hi.", "--out", "{work}/x.wav"], "--device 'tpu9' is not a device; use cpu, cuda or cuda:N"),
+    pytest.param("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--device", "cuda", "--text", "Hi.", "--out", "{work}/x.wav"], "--device cuda: CUDA is not available on this machine; use --device cpu", marks=no_gpu),
     # evaluate
     ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev", "--text-file", "{work}/nope.txt"], "--text-file {work}/nope.txt does not exist"),
     ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev"], "no prepared data index at {work}/nope: run `tts-lightning prepare --config ...` for the run's data first, or pass its cache folder (data.cache_dir)"),

@@ -14,7 +14,21 @@ from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 
 class SynthesisError(UserError, ValueError):
     """What `synthesize` was asked does not fit the model: a missing or unknown speaker, a missing
-    reference clip, a language it does not speak."""
+    reference clip, a language or a device it cannot use."""
+
+
+def resolve_device(device: str | None = None) -> str:
+    """The device to speak on: ``device`` as given (checked), else ``cuda`` when CUDA is available
+    and ``cpu`` otherwise, as Hugging Face pipelines choose."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise SynthesisError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SynthesisError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return device
 
 
 def read_text_file(path: str | os.PathLike, option: str = "--text-file") -> list[str]:
@@ -78,19 +92,22 @@ def synthesize(
     language: str = "Auto",
     seed: int = 0,
     max_new_tokens: int | None = None,
+    device: str | None = None,
 ) -> tuple[list[np.ndarray], int]:
     """Generate one waveform per text.
 
     A ``custom_voice`` directory (what `export` writes) speaks as ``speaker``; a ``base`` directory
-    clones the voice of ``ref_audio`` (x-vector only, no reference transcript needed). What is
-    asked is checked before the model is loaded (`SynthesisError`).
+    clones the voice of ``ref_audio`` (x-vector only, no reference transcript needed). The model
+    and its speech tokenizer run on ``device`` (default: cuda when available, else cpu).
     """
     from qwen_tts import Qwen3TTSModel
 
     info = check_pretrained(model_dir)
     check_request(info, speaker=speaker, ref_audio=ref_audio, language=language)
+    device = resolve_device(device)
     torch.manual_seed(seed)
-    model = Qwen3TTSModel.from_pretrained(str(info.path))
+    # device_map reaches the speech tokenizer too: qwen_tts loads it with the same arguments.
+    model = Qwen3TTSModel.from_pretrained(str(info.path), device_map=device)
     kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     if info.tts_model_type == "custom_voice":
         return model.generate_custom_voice(text=texts, speaker=speaker, language=language, **kwargs)

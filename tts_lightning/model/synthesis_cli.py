@@ -2,6 +2,8 @@
 
 tts-lightning synthesize --model runs/voice --speaker alice --text "Hello." --out hello.wav
 tts-lightning synthesize --model BASE_DIR --ref-audio clip.wav --text-file texts.txt --out wavs/
+
+The model and its speech tokenizer run on --device (default cuda when available, else cpu).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def synthesize_command(argv: list[str]) -> int:
     parser.add_argument("--language", default="Auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument(
+        "--device",
+        help="where the model and its speech tokenizer run: cpu, cuda or cuda:N (default: cuda when available)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
     args = parser.parse_args(argv)
     texts = list(args.text)
@@ -47,6 +53,7 @@ def synthesize_command(argv: list[str]) -> int:
         language=args.language,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+        device=args.device,
     )
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]
