@@ -41,8 +41,7 @@ def synthesize_command(argv: list[str]) -> int:
     if not texts:
         parser.error("give --text or --text-file" + (f" ({args.text_file} holds no text)" if args.text_file else ""))
 
-    import soundfile as sf
-
+    from tts_lightning.files import atomic_write_wav
     from tts_lightning.model.synthesis import synthesize
 
     wavs, sr = synthesize(
@@ -58,10 +57,8 @@ def synthesize_command(argv: list[str]) -> int:
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]
     else:
-        args.out.mkdir(parents=True, exist_ok=True)
         outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]
     for wav, out in zip(wavs, outs):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sf.write(str(out), wav, sr)
+        atomic_write_wav(out, wav, sr)  # a full disk: one message, no partial file
         print(f"{out}  {len(wav) / sr:.2f} s")
     return 0
