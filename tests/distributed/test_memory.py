@@ -18,7 +18,8 @@ from tts_lightning.distributed.memory import (
     plan_memory,
 )
 from tts_lightning.distributed.plan_cli import plan_command
-from tts_lightning.model.pretrained import build_model, check_pretrained
+from tts_lightning.model.loading import build_model
+from tts_lightning.model.pretrained import check_pretrained
 
 BASE = dict(
     gpus=4,

@@ -2,7 +2,8 @@
 
 Transformers reports a broken directory with a stack trace from deep inside its loaders; every check
 here names the directory, the file and the problem instead. The tiny random model and the released
-checkpoints go through exactly the same functions.
+checkpoints go through exactly the same functions. Building the model with the directory's weights
+is `tts_lightning.model.loading.build_model`.
 """
 
 from __future__ import annotations
@@ -154,21 +155,6 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
                 if key.startswith(prefix):
                     state[key] = f.get_tensor(key)
     return state
-
-
-def build_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa", load_weights: bool = True):
-    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights, read tensor by tensor
-    into the parameters (no random init, no second copy: see `tts_lightning.model.loading`), or with
-    random weights when ``load_weights`` is false. No speech tokenizer: training does not need it,
-    and the official `from_pretrained` always loads it."""
-    if not load_weights:
-        from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
-
-        return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
-    from tts_lightning.model.loading import MetaWeights, build_empty_model
-
-    model = build_empty_model(info, attn_implementation=attn_implementation)
-    return MetaWeights(model, info).materialize_all(model)
 
 
 def load_text_tokenizer(info: PretrainedInfo):
