@@ -4,13 +4,13 @@ This file only routes: each tool's arguments and code live next to its domain (`
 ``data/prepare_cli.py``, ``model/export_cli.py``, ``model/synthesis_cli.py``, ``distributed/plan_cli.py``,
 ``distributed/ray_cli.py``, ``evaluation/cli.py``), imported only when its command runs; and it
 reports every command's errors in one place: a user error as one message with exit status 2
-(`tts_lightning.errors`)."""
+(`tts_lightning.errors.report_errors`)."""
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable
+
+from tts_lightning.errors import report_errors
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
-        return _reporting_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:]))
+        return report_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:]))
     if argv and argv[0] in LIGHTNING_COMMANDS:
 
         def lightning() -> int:
@@ -88,27 +88,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # In a run of several processes each one that fails says so; Lightning has already
         # stopped the others. An error found before they start is said once.
-        return _reporting_errors(argv[0], lightning)
+        return report_errors(argv[0], lightning)
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
     print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-
-
-def _reporting_errors(command: str, run: Callable[[], int]) -> int:
-    """``run()``; a user error (a missing file, an unknown speaker, a refused setting) or a failed
-    write ends in one message and exit status 2 or 1 (`tts_lightning.errors.explain`); any other
-    error keeps its traceback (a bug). ``TTS_LIGHTNING_TRACEBACK=1``: every error does."""
-    try:
-        return run()
-    except Exception as exc:
-        from tts_lightning.errors import explain
-
-        explained = explain(exc)
-        if explained is None or os.environ.get("TTS_LIGHTNING_TRACEBACK", "") not in ("", "0"):
-            raise
-        message, status = explained
-        print(f"tts-lightning {command}: error: {message}", file=sys.stderr)
-        return status
 
 
 if __name__ == "__main__":

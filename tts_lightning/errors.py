@@ -2,8 +2,9 @@
 
 `UserError` is the project's type for such problems (a missing or unreadable file, an unknown
 speaker, a setting's value the code refuses); its ``str()`` names the file or the setting and says
-what to do. The `tts-lightning` entry point catches every error once (`explain`): a user error is
-printed as ``tts-lightning <command>: error: <message>`` with exit status 2, a failed write
+what to do. The `tts-lightning` entry point reports every command's errors in one place
+(`report_errors`, which asks `explain`): a user error is printed as
+``tts-lightning <command>: error: <message>`` with exit status 2, a failed write
 (`tts_lightning.files.WriteError`: disk full, permissions) with exit status 1, and anything else
 keeps its traceback, since it is a bug. ``TTS_LIGHTNING_TRACEBACK=1`` shows the traceback of every
 error.
@@ -11,7 +12,10 @@ error.
 
 from __future__ import annotations
 
+import os
+import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 USAGE = 2  # exit status of a user error, as argparse's usage errors
@@ -70,3 +74,18 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
         if isinstance(error, UserError) or _is_lightning_misconfiguration(error) or _raised_by_an_untyped_check(error):
             return str(error), USAGE
     return None
+
+
+def report_errors(command: str, run: Callable[[], int]) -> int:
+    """``run()`` (a command, returning its exit status); a user error or a refused write ends in
+    one message on stderr, ``tts-lightning <command>: error: ...``, and its exit status (`explain`);
+    any other error propagates with its traceback. ``TTS_LIGHTNING_TRACEBACK=1``: every error does."""
+    try:
+        return run()
+    except Exception as exc:
+        explained = explain(exc)
+        if explained is None or os.environ.get("TTS_LIGHTNING_TRACEBACK", "") not in ("", "0"):
+            raise
+        message, status = explained
+        print(f"tts-lightning {command}: error: {message}", file=sys.stderr)
+        return status

@@ -111,9 +111,9 @@ def plan_command(argv: list[str]) -> int:
 
 
 def main() -> None:  # pragma: no cover
-    from tts_lightning.__main__ import main as tts_lightning_main
+    from tts_lightning.errors import report_errors
 
-    sys.exit(tts_lightning_main(["plan", *sys.argv[1:]]))
+    sys.exit(report_errors("plan", lambda: plan_command(sys.argv[1:])))
 
 
 if __name__ == "__main__":  # pragma: no cover

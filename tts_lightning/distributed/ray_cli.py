@@ -174,9 +174,10 @@ def ray_fit_command(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tts_lightning.__main__ import main as tts_lightning_main
+    from tts_lightning.errors import report_errors
 
-    return tts_lightning_main(["ray-fit", *(sys.argv[1:] if argv is None else argv)])
+    args = list(sys.argv[1:] if argv is None else argv)
+    return report_errors("ray-fit", lambda: ray_fit_command(args))
 
 
 if __name__ == "__main__":
