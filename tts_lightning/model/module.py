@@ -15,7 +15,6 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from tts_lightning.deprecation import moved
 from tts_lightning.errors import ConfigError
 from tts_lightning.hparams import HParam
 from tts_lightning.model.generation import (
@@ -32,14 +31,6 @@ from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import TalkerBatch, tokenize_text
-
-__getattr__ = moved(
-    __name__,
-    {
-        "matches": "tts_lightning.model.parameters:matches",
-        "DEFAULT_FREEZE": "tts_lightning.model.parameters:DEFAULT_FREEZE",
-    },
-)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tts_lightning.deprecation import moved
 from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
 
@@ -466,6 +465,3 @@ def default_tiny_dir() -> Path:
         return build_tiny_pretrained()
     except OSError:
         return build_tiny_pretrained()
-
-
-__getattr__ = moved(__name__, {"default_cache_dir": "tts_lightning.model.tiny:tiny_cache_dir"})
