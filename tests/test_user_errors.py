@@ -78,6 +78,7 @@ CASES = [
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
     ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
+    ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     pytest.param("ray-fit", [*FIT, "--trainer.strategy", "ddp"], "ray-fit trains with FSDP1 or FSDP2; trainer.strategy='ddp' is not supported (use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2))", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)", marks=needs_ray),
@@ -91,6 +92,8 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user-errors")
     shutil.copytree(demo_dir(), root / "demo")
     (root / "broken.yaml").write_text("data: a: b\n")
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text("{nope\n")
     return root
 
 

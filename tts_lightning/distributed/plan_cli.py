@@ -7,9 +7,11 @@ needed: the model is built on the meta device."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, PRESETS, SHARDINGS
+from tts_lightning.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,22 +81,26 @@ def plan_command(argv: list[str]) -> int:
         ]
         if given:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
-    if args.config:
-        plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
-    else:
-        plan = plan_memory(
-            args.model,
-            gpus=args.gpus or 1,
-            gpu_memory_gb=args.gpu_memory,
-            sharding=args.sharding,
-            precision=args.precision,
-            activation_checkpointing=not args.no_activation_checkpointing,
-            cpu_offload=args.cpu_offload,
-            freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
-            micro_batch_frames=args.frames,
-            adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
-            layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
-        )
+    try:
+        if args.config:
+            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
+        else:
+            plan = plan_memory(
+                args.model,
+                gpus=args.gpus or 1,
+                gpu_memory_gb=args.gpu_memory,
+                sharding=args.sharding,
+                precision=args.precision,
+                activation_checkpointing=not args.no_activation_checkpointing,
+                cpu_offload=args.cpu_offload,
+                freeze=list(DEFAULT_FREEZE) if args.freeze is None else args.freeze,
+                micro_batch_frames=args.frames,
+                adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
+                layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
+            )
+    except json.JSONDecodeError as exc:  # a pretrained directory's config.json (the planner reads it)
+        where = f"{args.model}: its config.json" if args.model else f"the pretrained config.json {args.config} names"
+        raise ConfigError(f"{where} is not valid JSON ({exc})") from None
     print(plan.table())
     if plan.fits:
         print(
