@@ -41,7 +41,8 @@ LOAD = textwrap.dedent("""
     from memory_probe import PeakSampler
     import torch
     from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
-    from tts_lightning.model.pretrained import build_model, check_pretrained, load_config, load_state_dict
+    from tts_lightning.model.loading import build_model
+    from tts_lightning.model.pretrained import check_pretrained, load_config, load_state_dict
     info = check_pretrained(sys.argv[1])
     sampler = PeakSampler().start()
     if sys.argv[2] == "legacy":  # what build_model did before: random init, whole file, a second copy

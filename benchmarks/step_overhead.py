@@ -55,7 +55,8 @@ def build_mid_pretrained(root: Path) -> Path:
     from safetensors.torch import save_file
 
     from tts_lightning import build_tiny_pretrained
-    from tts_lightning.model.pretrained import build_model, check_pretrained
+    from tts_lightning.model.loading import build_model
+    from tts_lightning.model.pretrained import check_pretrained
 
     tiny = build_tiny_pretrained(root / "tiny", seed=0)
     mid = root / "mid"

@@ -199,6 +199,80 @@ def test_torch_and_safetensors_writers_on_a_full_disk(small_fs):
     assert _leftovers(fs) == []
 
 
+def test_wav_writers_on_a_full_disk_leave_no_partial_file(small_fs):
+    """`predict`'s writer and `evaluate`'s audio go through `atomic_write_wav`: a full disk is one
+    WriteError naming the file, and neither a partial .wav nor the temporary file stays (libsndfile
+    writing in place left a truncated .wav and raised its own error)."""
+    from types import SimpleNamespace
+
+    import soundfile as sf
+    import torch
+
+    from tts_lightning.data.predict import PredictionWriter
+    from tts_lightning.evaluation.evaluate import SpeakerPlan, _generate_system
+    from tts_lightning.files import atomic_write_wav
+
+    fs = small_fs("64k")
+    second = np.zeros(24_000, dtype=np.float32)  # 47 KiB as 16-bit PCM
+    old = atomic_write_wav(fs / "old.wav", second[:2400], 24_000)
+    _fill(fs)
+    with pytest.raises(WriteError) as err:
+        atomic_write_wav(old, second, 24_000)
+    assert str(err.value).startswith(f"cannot write {old}: no space left on device (0 B free there; this write needs ")
+    assert sf.info(str(old)).frames == 2400 and _leftovers(fs) == []  # the old file is whole
+
+    writer = PredictionWriter(str(fs / "predictions"))
+    item = {"id": "0000", "speaker": "alice", "text": "Hi.", "audio": second, "sample_rate": 24_000}
+    with pytest.raises(WriteError, match=r"predictions/0000_alice\.wav: no space left on device"):
+        writer.write_on_batch_end(None, None, [item], None, None, 0, 0)
+    assert list((fs / "predictions").iterdir()) == []
+    roomy = small_fs("32k")  # room for part of the file: the case that left a truncated .wav
+    with pytest.raises(WriteError, match=r"0000_alice\.wav: no space left on device \(.*this write needs 46\.9 KiB"):
+        PredictionWriter(str(roomy)).write_on_batch_end(None, None, [item], None, None, 0, 0)
+    assert list(roomy.iterdir()) == []
+
+    def generate(*args, **kwargs):  # the official generation, as _generate_system wraps it
+        return [torch.zeros(12, 16)], None
+
+    def generate_custom_voice(**kwargs):
+        tts.model.generate()
+        return [second], 24_000
+
+    tts = SimpleNamespace(model=SimpleNamespace(generate=generate), generate_custom_voice=generate_custom_voice)
+    plan = SpeakerPlan("alice", "english", fs / "ref.wav", None, [], False, ["Hello there."])
+    with pytest.raises(WriteError, match=r"fine_tuned/text00_sample0\.wav: no space left on device"):
+        _generate_system(
+            tts,
+            "fine_tuned",
+            [plan],
+            paces={"alice": 0.07},
+            num_samples=1,
+            seed=0,
+            limit_factor=3.0,
+            audio_dir=fs / "audio",
+        )
+    assert [p for p in (fs / "audio").rglob("*") if p.is_file()] == []
+
+
+def test_synthesize_to_a_full_disk_is_one_message(small_fs, tiny_custom_voice_dir, capsys):
+    """The real command on the CPU (the tiny custom_voice model): exit status 1 (the command was
+    right; the disk was full), one line, no partial .wav."""
+    from tts_lightning.__main__ import main
+
+    fs = small_fs("64k")
+    _fill(fs)
+    out = fs / "hello.wav"
+    args = ["--model", str(tiny_custom_voice_dir), "--speaker", "ryan", "--text", "Hello.", "--max-new-tokens", "8"]
+    assert main(["synthesize", *args, "--device", "cpu", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"tts-lightning synthesize: error: cannot write {out}: no space left on device (0 B free there; "
+        "this write needs "
+    )
+    assert err.endswith("and nothing half-written was left\n") and err.count("\n") == 1, err
+    assert not out.exists() and _leftovers(fs) == []
+
+
 @pytest.mark.slow
 def test_fit_on_a_full_cache_disk_ends_with_the_error_alone(small_fs, tiny_dir, tmp_path, run_cli):
     """`fit` on 2 FSDP processes whose codec cache fills its disk: each process prints the one-line

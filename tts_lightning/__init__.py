@@ -13,6 +13,7 @@ _EXPORTS = {
     "Qwen3TTSModule": "tts_lightning.model.module",
     "SpeakerClipsDataModule": "tts_lightning.data.datamodule",
     "WriteError": "tts_lightning.files",
+    "UserError": "tts_lightning.errors",
     "CacheEntryError": "tts_lightning.data.codec_cache",
 }
 

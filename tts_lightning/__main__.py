@@ -2,11 +2,15 @@
 
 This file only routes: each tool's arguments and code live next to its domain (``model/tiny_cli.py``,
 ``data/prepare_cli.py``, ``model/export_cli.py``, ``model/synthesis_cli.py``, ``distributed/plan_cli.py``,
-``distributed/ray_cli.py``, ``evaluation/cli.py``), imported only when its command runs."""
+``distributed/ray_cli.py``, ``evaluation/cli.py``), imported only when its command runs; and it
+reports every command's errors in one place: a user error as one message with exit status 2
+(`tts_lightning.errors.report_errors`)."""
 
 from __future__ import annotations
 
 import sys
+
+from tts_lightning.errors import report_errors
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -70,25 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     console.install()  # known third-party noise off the console (see tts_lightning/console.py)
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    from tts_lightning.files import WriteError
-
     if argv and argv[0] in TOOLS:
-        try:
-            return TOOLS[argv[0]](argv[1:])
-        except WriteError as exc:  # disk full, quota, permissions: one message, no traceback
-            print(f"tts-lightning {argv[0]}: error: {exc}", file=sys.stderr)
-            return 1
+        return report_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:]))
     if argv and argv[0] in LIGHTNING_COMMANDS:
-        from tts_lightning.cli import cli_main
 
-        try:
+        def lightning() -> int:
+            from tts_lightning.cli import cli_main
+
             # From the command line LightningCLI reads sys.argv itself (given args, it warns that
             # they are meant for calls from Python).
             cli_main(None if from_command_line else argv)
-        except WriteError as exc:  # Lightning has already stopped the other processes
-            print(f"tts-lightning {argv[0]}: error: {exc}", file=sys.stderr)
-            return 1
-        return 0
+            return 0
+
+        # In a run of several processes each one that fails says so; Lightning has already
+        # stopped the others. An error found before they start is said once.
+        return report_errors(argv[0], lightning)
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
     print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

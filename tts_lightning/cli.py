@@ -8,14 +8,16 @@ resolved config is saved next to the TensorBoard logs and checkpoints.
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
 
 
@@ -30,6 +32,21 @@ def _checkpoint_dir(default_root_dir: str | None) -> str:
     # One stable folder per run directory, not one per logger version, so that
     # `--ckpt_path last` finds the checkpoint an interrupted run left.
     return os.path.join(default_root_dir or "runs", "checkpoints")
+
+
+class CommandLineParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one message, ``tts-lightning fit: error: ...``, and
+    where to read the options, instead of jsonargparse's usage of every option (a hundred lines).
+    Still ``SystemExit(2)`` with the message on stderr, as before."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        name = parser.prog.split()[-1] if parser.prog else ""
+        command = f"tts-lightning {name}" if name in ("fit", "validate", "test", "predict") else "tts-lightning"
+        sys.stderr.write(f"{command}: error: {' '.join(message.split())}\n(`{command} --help` lists every option)\n")
+        self.exit(2)
 
 
 class StepProgressBar(RichProgressBar):
@@ -95,6 +112,29 @@ class TTSLightningCLI(LightningCLI):
             }
         )
 
+    def _check_ckpt_path(self) -> None:
+        """A ``--ckpt_path`` that names no file or folder fails here, in the launching process,
+        before any other process starts (Lightning would find out on every rank, after the data)."""
+        path = self.config[self.subcommand].get("ckpt_path")
+        if path is None or str(path) in ("last", "best", "hpc") or "://" in str(path):
+            return
+        if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
+            return
+        if not os.path.exists(path):
+            raise ConfigError(f"ckpt_path {path} does not exist: give a checkpoint file or a sharded checkpoint folder")
+
+    def before_fit(self) -> None:
+        self._check_ckpt_path()
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path()
+
+    def before_test(self) -> None:
+        self._check_ckpt_path()
+
+    def before_predict(self) -> None:
+        self._check_ckpt_path()
+
     def after_fit(self) -> None:
         """Say where the run's files went (rank 0 only; nothing collective here)."""
         trainer = self.trainer
@@ -152,6 +192,7 @@ def cli_main(
         SpeakerClipsDataModule,
         trainer_defaults=trainer_defaults(),
         save_config_kwargs={"overwrite": True},
+        parser_class=CommandLineParser,
         args=args,
         run=run,
     )

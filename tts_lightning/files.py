@@ -204,6 +204,21 @@ def atomic_write(
     return path
 
 
+def atomic_write_wav(path: str | os.PathLike, audio: Any, sample_rate: int, *, subtype: str | None = None) -> Path:
+    """Write ``audio`` (samples, or samples x channels) as a WAV file through `atomic_write`: a
+    full disk raises `WriteError` and leaves neither a partial file nor the temporary one. The file
+    is encoded in memory first (audio clips are small), so the disk sees plain writes whose errors
+    are OSErrors (libsndfile writing to a file itself reports a full disk in its own words)."""
+    import io
+
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    sf.write(buffer, audio, int(sample_rate), subtype=subtype, format="WAV")
+    data = buffer.getvalue()
+    return atomic_write(path, lambda fh: fh.write(data), needed=len(data))
+
+
 def atomic_write_json(path: str | os.PathLike, data: object) -> Path:
     def _write(fh) -> None:
         json.dump(data, fh, indent=2, ensure_ascii=False)

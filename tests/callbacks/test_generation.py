@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tts_lightning.model.generation import decode_codes, generate_codes
+from tts_lightning.model.loading import build_model
 from tts_lightning.model.loss import compute_loss
-from tts_lightning.model.pretrained import build_model, check_pretrained, load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, build_sequence, collate, tokenize_text
 
 

@@ -256,7 +256,8 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
     # model loaded from the checkpoint speaks the very same audio with the same seed.
     from tts_lightning.model.checkpoint import load_training_checkpoint
     from tts_lightning.model.generation import decode_codes, generate_codes
-    from tts_lightning.model.pretrained import build_model, check_pretrained, load_speech_tokenizer, load_text_tokenizer
+    from tts_lightning.model.loading import build_model
+    from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
     from tts_lightning.model.sequence import tokenize_text
 
     ckpt = load_training_checkpoint(checkpoints[0])

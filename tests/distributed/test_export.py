@@ -80,7 +80,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path, run_cli):
         export_custom_voice(corrupt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     proc = run_cli("export", "--ckpt", corrupt, "--out", tmp_path / "out", cwd=tmp_path, check=False, timeout=300)
-    assert proc.returncode == 1 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
+    assert proc.returncode == 2 and "corrupt.ckpt" in proc.stderr and not (tmp_path / "out").exists()
 
 
 def test_sharded_export_streams_model_tensors_only(checkpoints, tmp_path, monkeypatch):

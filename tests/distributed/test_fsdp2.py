@@ -163,7 +163,8 @@ def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tts_lightning.model.generation import decode_codes, generate_codes
-    from tts_lightning.model.pretrained import build_model, check_pretrained, load_speech_tokenizer, load_text_tokenizer
+    from tts_lightning.model.loading import build_model
+    from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
     from tts_lightning.model.sequence import tokenize_text
 
     run_dir, _ = fsdp2_run

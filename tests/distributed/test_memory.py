@@ -7,6 +7,7 @@ import pytest
 import torch
 import yaml
 
+from tts_lightning.__main__ import main
 from tts_lightning.distributed.memory import (
     TEXT_EMBEDDING,
     GiB,
@@ -17,7 +18,8 @@ from tts_lightning.distributed.memory import (
     plan_memory,
 )
 from tts_lightning.distributed.plan_cli import plan_command
-from tts_lightning.model.pretrained import build_model, check_pretrained
+from tts_lightning.model.loading import build_model
+from tts_lightning.model.pretrained import check_pretrained
 
 BASE = dict(
     gpus=4,
@@ -203,8 +205,8 @@ def test_plan_command_exit_codes(capsys):
         == 1
     )
     assert "FULL_SHARD" in capsys.readouterr().out
-    assert plan_command(["--model", "no-such-model", "--gpu-memory", "16"]) == 2
-    assert "no-such-model" in capsys.readouterr().err
+    assert main(["plan", "--model", "no-such-model", "--gpu-memory", "16"]) == 2
+    assert "tts-lightning plan: error: model 'no-such-model': not a preset" in capsys.readouterr().err
 
 
 def test_plan_from_yaml(tmp_path, tiny_dir, capsys):

@@ -14,7 +14,8 @@ from tts_lightning.distributed.memory import (
     plan_memory,
 )
 from tts_lightning.distributed.plan_cli import plan_command
-from tts_lightning.model.pretrained import build_model, check_pretrained
+from tts_lightning.model.loading import build_model
+from tts_lightning.model.pretrained import check_pretrained
 
 BASE = dict(gpus=4, gpu_memory_gb=16, precision="bf16-mixed", micro_batch_frames=2000)
 

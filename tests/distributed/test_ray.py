@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, data_args, newest_last
 
+from tts_lightning.__main__ import main
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.distributed import ray_cli
 from tts_lightning.model.checkpoint import load_training_checkpoint
@@ -222,8 +223,10 @@ def test_worker_crash_without_retries_fails_and_keeps_the_checkpoint(failed, wor
 
 def test_without_ray_the_command_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as when it is not installed
-    assert ray_cli.ray_fit_command(["--config", str(CONFIG), "--ray.num_workers", "2"]) == 2
-    assert "pip install 'tts-lightning[ray]'" in capsys.readouterr().err
+    assert main(["ray-fit", "--config", str(CONFIG), "--ray.num_workers", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "tts-lightning ray-fit: error: Ray is not installed. Install it with: pip install 'tts-lightning[ray]'\n"
+    )
 
 
 def test_help_names_the_ray_options_and_what_they_replace(capsys):
@@ -249,7 +252,7 @@ def test_help_names_the_ray_options_and_what_they_replace(capsys):
     "override, code, needle",
     [
         (["--model.no_such_option", "1"], 2, "no_such_option"),
-        (["--data.speakers", "[carol]"], 1, "carol"),
+        (["--data.speakers", "[carol]"], 2, "tts-lightning ray-fit: error: speaker(s) 'carol' are not named by"),
     ],
 )
 def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, capsys, override, code, needle):
@@ -257,7 +260,7 @@ def test_bad_config_fails_on_the_driver_before_ray_starts(workdir, tiny_dir, cap
 
     args = ["--config", str(CONFIG), *map(str, data_args(workdir, tiny_dir, workdir / "bad-cache")), *override]
     try:
-        rc = ray_cli.ray_fit_command(args)
+        rc = main(["ray-fit", *args])
     except SystemExit as exc:  # LightningCLI's parser error
         rc = exc.code
     assert rc == code
@@ -284,7 +287,7 @@ def test_a_strategy_other_than_fsdp1_or_fsdp2_is_refused_before_ray_starts(
 
     cache = tmp_path / "cache"
     args = ["--config", str(CONFIG), *map(str, data_args(workdir, tiny_dir, cache)), "--trainer.strategy", strategy]
-    assert ray_cli.ray_fit_command(args) == 1
+    assert main(["ray-fit", *args]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "tts-lightning ray-fit: error: ray-fit trains with FSDP1 or FSDP2;" in err and needle in err
     assert "tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2)" in err  # says what works

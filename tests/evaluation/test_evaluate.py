@@ -135,20 +135,20 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
     out = root / "eval-errors"
     common = ["--prepared", cache, "--out", out, "--text", TEXT]
 
-    assert run("--model", root / "missing.ckpt", "--base", tiny_dir, *common) == 1
+    assert run("--model", root / "missing.ckpt", "--base", tiny_dir, *common) == 2
     assert "missing.ckpt does not exist" in capsys.readouterr().err
 
-    assert run("--model", voice, "--base", tiny_dir, "--speaker", "carol", *common) == 1
+    assert run("--model", voice, "--base", tiny_dir, "--speaker", "carol", *common) == 2
     err = capsys.readouterr().err
     assert "unknown speaker(s) ['carol']" in err and "share ['alice', 'bob']" in err
 
-    assert run("--model", voice, "--base", tiny_custom_voice_dir, *common) == 1
+    assert run("--model", voice, "--base", tiny_custom_voice_dir, *common) == 2
     err = capsys.readouterr().err
     assert "base model:" in err and "tts_model_type is 'custom_voice', but 'base' is required" in err
 
-    assert run("--model", voice, *common) == 1
+    assert run("--model", voice, *common) == 2
     assert "give --base" in capsys.readouterr().err
 
-    assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 1
+    assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 2
     assert "no prepared data index" in capsys.readouterr().err
     assert not list((root / "eval-errors").glob("*.json"))

@@ -99,7 +99,8 @@ def test_end_of_speech_failure_is_counted_when_the_model_cannot_stop(tiny_dir):
     forbids ``codec_eos`` makes every generation run to its limit (a failure); one that makes it stop
     gives no failure."""
     from tts_lightning.model.generation import generate_codes
-    from tts_lightning.model.pretrained import build_model, check_pretrained, load_text_tokenizer
+    from tts_lightning.model.loading import build_model
+    from tts_lightning.model.pretrained import check_pretrained, load_text_tokenizer
     from tts_lightning.model.sequence import tokenize_text
 
     info = check_pretrained(tiny_dir)

@@ -1,8 +1,11 @@
 """The model commands (`model/tiny_cli.py`, `model/export_cli.py`, `model/synthesis_cli.py`) through
 the `tts-lightning` router, in process: names, messages and exit codes (their real runs are in
-tests/test_console.py, tests/model/test_tiny.py and tests/distributed/test_export.py)."""
+tests/test_console.py, tests/model/test_tiny.py and tests/distributed/test_export.py; every
+command's user errors in tests/test_user_errors.py), and synthesize's device."""
 
+import numpy as np
 import pytest
+import torch
 
 from tts_lightning.__main__ import TOOLS, main
 
@@ -29,7 +32,7 @@ def test_help_keeps_the_program_name(command, description, capsys):
 
 
 def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
-    assert main(["export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "out")]) == 1
+    assert main(["export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tts-lightning export: error: ") and "nope.ckpt" in err and "does not exist" in err
     assert not (tmp_path / "out").exists()
@@ -39,3 +42,60 @@ def test_synthesize_without_text_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["synthesize", "--model", str(tmp_path), "--out", str(tmp_path / "x.wav")])
     assert exit_.value.code == 2 and "give --text or --text-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("cuda", "requested", "device"),
+    [(True, None, "cuda"), (False, None, "cpu"), (True, "cpu", "cpu"), (True, "cuda:1", "cuda:1")],
+)
+def test_synthesize_device_defaults_to_cuda_when_there_is_one(monkeypatch, cuda, requested, device):
+    from tts_lightning.model.synthesis import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert resolve_device(requested) == device
+
+
+def test_synthesize_device_option_reaches_the_model(monkeypatch, tmp_path):
+    """--device (absent: None, decided by `resolve_device`) is what `synthesize` receives."""
+    from tts_lightning.model import synthesis
+
+    seen = []
+
+    def fake(model, texts, **kwargs):
+        seen.append(kwargs["device"])
+        return [np.zeros(240, dtype=np.float32)], 24_000
+
+    monkeypatch.setattr(synthesis, "synthesize", fake)
+    common = ["synthesize", "--model", str(tmp_path), "--text", "Hi."]
+    assert main([*common, "--device", "cuda:1", "--out", str(tmp_path / "a.wav")]) == 0
+    assert main([*common, "--out", str(tmp_path / "b.wav")]) == 0
+    assert seen == ["cuda:1", None]
+
+
+def test_synthesize_speaks_on_the_cpu(tiny_custom_voice_dir, tmp_path, monkeypatch, capsys):
+    """No GPU here: the default device is the CPU, for the model and its speech tokenizer."""
+    import soundfile as sf
+    from qwen_tts import Qwen3TTSModel
+
+    loaded = []
+    from_pretrained = Qwen3TTSModel.from_pretrained.__func__
+
+    def recording(cls, path, **kwargs):
+        model = from_pretrained(cls, path, **kwargs)
+        loaded.append((kwargs, model))
+        return model
+
+    monkeypatch.setattr(Qwen3TTSModel, "from_pretrained", classmethod(recording))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "hello.wav"
+    args = ["--model", str(tiny_custom_voice_dir), "--speaker", "ryan", "--text", "Hello.", "--max-new-tokens", "8"]
+    assert main(["synthesize", *args, "--out", str(out)]) == 0
+    [(kwargs, model)] = loaded
+    assert kwargs["device_map"] == "cpu"
+    assert {p.device.type for p in model.model.parameters()} == {"cpu"}
+    tokenizer = model.model.speech_tokenizer
+    assert tokenizer.device.type == "cpu" and {p.device.type for p in tokenizer.model.parameters()} == {"cpu"}
+    info = sf.info(str(out))
+    assert info.samplerate == 24_000 and info.frames > 0
+    assert capsys.readouterr().out.startswith(f"{out}  ")
+    assert [p.name for p in tmp_path.iterdir()] == ["hello.wav"]  # no temporary file left

@@ -15,13 +15,14 @@ from forced_generation import official_forced_nll
 
 from tts_lightning import SpeakerClipsDataModule
 from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.loading import build_model
 from tts_lightning.model.loss import (
     code_predictor_inputs,
     code_predictor_logits,
     compute_loss,
     talker_hidden_states,
 )
-from tts_lightning.model.pretrained import build_model, check_pretrained, load_text_tokenizer
+from tts_lightning.model.pretrained import check_pretrained, load_text_tokenizer
 from tts_lightning.model.sequence import IGNORE_INDEX, tokenize_text
 
 TOLERANCE = 1e-4

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from tts_lightning.model.pretrained import PretrainedError, build_model, check_pretrained
+from tts_lightning.model.loading import build_model
+from tts_lightning.model.pretrained import PretrainedError, check_pretrained
 
 
 def _copy(src, dst):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from tts_lightning.model.pretrained import build_model, check_pretrained, load_text_tokenizer
+from tts_lightning.model.loading import build_model
+from tts_lightning.model.pretrained import check_pretrained, load_text_tokenizer
 from tts_lightning.model.sequence import (
     SpecialIds,
     assistant_text,

@@ -24,6 +24,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import Dataset
 
+from tts_lightning.files import atomic_write, atomic_write_wav
 from tts_lightning.model.generation import PredictBatch
 
 BATCH_KEYS = ("text", "speaker", "language", "id", "padding")  # the item keys `collate_texts` reads
@@ -156,13 +157,15 @@ class PredictionWriter(BasePredictionWriter):
     def write_on_batch_end(
         self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
     ) -> None:
-        import soundfile as sf
-
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         for item in prediction or []:
-            if item.get("padding"):
-                continue
-            path = self.path_for(item)
-            audio = np.clip(np.asarray(item["audio"], dtype=np.float32), -1.0, 1.0)
-            sf.write(str(path), audio, int(item["sample_rate"]), subtype="PCM_16")
-            path.with_suffix(".txt").write_text(item["text"] + "\n", encoding="utf-8")
+            if not item.get("padding"):
+                self.write_item(item)
+
+    def write_item(self, item: Mapping[str, Any]) -> None:
+        """One prediction's ``.wav`` and ``.txt``, each written beside its place and renamed: a
+        full disk raises `WriteError` and leaves no partial file."""
+        path = self.path_for(item)
+        audio = np.clip(np.asarray(item["audio"], dtype=np.float32), -1.0, 1.0)
+        atomic_write_wav(path, audio, int(item["sample_rate"]), subtype="PCM_16")
+        text = item["text"] + "\n"
+        atomic_write(path.with_suffix(".txt"), lambda fh: fh.write(text), binary=False)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError
+from tts_lightning.distributed.lean_state import LeanShards
 from tts_lightning.distributed.processes import split_cpu_threads
 
 __all__ = [
@@ -291,11 +292,12 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         return self._state_dict_type == "sharded"
 
     # -- checkpoints: sharded ones lean (tts_lightning.distributed.lean_state), full ones Lightning's --
-    def _lean(self):
-        from tts_lightning.distributed.lean_state import LeanShards
+    _lean_shards: LeanShards | None = None
 
+    def _lean(self) -> LeanShards:
+        """Where each rank's piece of each parameter lies (computed once per wrapped model)."""
         assert self.model is not None, "the checkpoint is made after the model is set up"
-        if getattr(self, "_lean_shards", None) is None or self._lean_shards.model is not self.model:
+        if self._lean_shards is None or self._lean_shards.model is not self.model:
             self._lean_shards = LeanShards(self.model)
         return self._lean_shards
 
@@ -309,7 +311,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         frozen = getattr(module, "frozen_keys", None)
         if not frozen or getattr(module, "adapter", None) is None:
             return None
-        return (set(self._lean().params) - set(frozen)) | set(buffers(self.model))
+        return (set(self._lean().params) - set(frozen)) | set(buffers(self._lean().model))
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._state_dict_type != "sharded":
@@ -340,7 +342,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         stored = {k[len("model.") :] for k in metadata if k.startswith("model.")}
-        wanted = self._saved_keys() or set(self._lean().params) | set(buffers(self.model))
+        wanted = self._saved_keys() or set(self._lean().params) | set(buffers(self._lean().model))
         if adapter:
             check_trainable(module, stored, path)
         elif wanted - stored:

@@ -7,9 +7,11 @@ needed: the model is built on the meta device."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, PRESETS, SHARDINGS
+from tts_lightning.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,9 +98,9 @@ def plan_command(argv: list[str]) -> int:
                 adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
             )
-    except (ValueError, OSError) as exc:
-        print(f"tts-lightning plan: {exc}", file=sys.stderr)
-        return 2
+    except json.JSONDecodeError as exc:  # a pretrained directory's config.json (the planner reads it)
+        where = f"{args.model}: its config.json" if args.model else f"the pretrained config.json {args.config} names"
+        raise ConfigError(f"{where} is not valid JSON ({exc})") from None
     print(plan.table())
     if plan.fits:
         print(
@@ -115,7 +117,9 @@ def plan_command(argv: list[str]) -> int:
 
 
 def main() -> None:  # pragma: no cover
-    sys.exit(plan_command(sys.argv[1:]))
+    from tts_lightning.errors import report_errors
+
+    sys.exit(report_errors("plan", lambda: plan_command(sys.argv[1:])))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,6 +56,7 @@ from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
 from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 from tts_lightning.distributed.processes import choose_backend
+from tts_lightning.errors import ConfigError
 
 CHECKPOINT_NAME = "checkpoint.ckpt"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
@@ -151,7 +152,7 @@ def ray_strategy(strategy: Any) -> tuple[type[Strategy], dict[str, Any]]:
     """The Ray strategy class for the config's ``trainer.strategy`` and the init_args to build it
     with: `RayQwen3TTSFSDPStrategy` for ``auto`` / ``fsdp`` / unset (defaults) and
     `Qwen3TTSFSDPStrategy` (FSDP1), `RayQwen3TTSFSDP2Strategy` for `Qwen3TTSFSDP2Strategy` (FSDP2),
-    each with the config's init_args. Any other strategy raises ValueError (the driver calls this
+    each with the config's init_args. Any other strategy raises ConfigError (the driver calls this
     before Ray starts)."""
     if strategy is None or (isinstance(strategy, str) and strategy in ("auto", "fsdp")):
         return RayQwen3TTSFSDPStrategy, {}
@@ -159,7 +160,9 @@ def ray_strategy(strategy: Any) -> tuple[type[Strategy], dict[str, Any]]:
     cls = None if class_path is None else RAY_STRATEGIES.get(str(class_path).rsplit(".", 1)[-1])
     if cls is None:
         named = f"={strategy!r}" if class_path is None else f" {class_path}"
-        raise ValueError(f"ray-fit trains with FSDP1 or FSDP2; trainer.strategy{named} is not supported ({_SUPPORTED})")
+        raise ConfigError(
+            f"ray-fit trains with FSDP1 or FSDP2; trainer.strategy{named} is not supported ({_SUPPORTED})"
+        )
     init = strategy.get("init_args") if isinstance(strategy, dict) else getattr(strategy, "init_args", None)
     if init is None:
         return cls, {}

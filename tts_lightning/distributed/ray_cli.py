@@ -147,10 +147,13 @@ def ray_fit_command(argv: list[str]) -> int:
         parser.error(f"unknown Ray option(s): {' '.join(stray)}")
     if options.num_workers < 1:
         parser.error("--ray.num_workers must be >= 1")
+    if options.checkpoint_every_n_steps < 0:
+        parser.error("--ray.checkpoint_every_n_steps must be >= 0")
     problem = ray_missing()
     if problem is not None:
-        print(f"tts-lightning ray-fit: {problem}. Install it with: {INSTALL_HINT}", file=sys.stderr)
-        return 2
+        from tts_lightning.errors import UserError
+
+        raise UserError(f"{problem}. Install it with: {INSTALL_HINT}")
 
     from tts_lightning.distributed.ray import RayFitError, RayOptions, describe_result, run
 
@@ -158,10 +161,9 @@ def ray_fit_command(argv: list[str]) -> int:
     ckpt_path = values.pop("ckpt_path")
     ray_options = RayOptions(**values)
     try:
+        # A user error in the config or the data, found before Ray starts, is reported by the
+        # entry point like `fit`'s (tts_lightning.errors).
         result = run(lightning_args, ray_options, ckpt_path=ckpt_path)
-    except (ValueError, FileNotFoundError) as exc:  # the config or the data, found before Ray starts
-        print(f"tts-lightning ray-fit: error: {exc}", file=sys.stderr)
-        return 1
     except RayFitError as exc:
         print(f"tts-lightning ray-fit: error: {exc}", file=sys.stderr)
         if exc.checkpoint is not None:
@@ -172,7 +174,10 @@ def ray_fit_command(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return ray_fit_command(list(sys.argv[1:] if argv is None else argv))
+    from tts_lightning.errors import report_errors
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return report_errors("ray-fit", lambda: ray_fit_command(args))
 
 
 if __name__ == "__main__":

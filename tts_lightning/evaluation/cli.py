@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -16,7 +15,19 @@ def _prepared_from_config(config: Path) -> Path:
 
     if not config.is_file():
         raise EvaluationError(f"config {config} does not exist")
-    data = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("data") or {}
+    try:
+        loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise EvaluationError(f"config {config} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise EvaluationError(f"config {config} is not valid YAML{where}: {problem}") from None
+    data = loaded.get("data") if isinstance(loaded, dict) else None
+    if isinstance(data, dict) and ("class_path" in data or "init_args" in data):
+        data = data.get("init_args")  # data: {class_path: ..., init_args: {...}}
+    data = data if isinstance(data, dict) else {}
     if data.get("cache_dir"):
         return Path(data["cache_dir"])
     if not data.get("train_manifest"):
@@ -68,33 +79,29 @@ def evaluate_command(argv: list[str]) -> int:
         help="unpickle everything in the checkpoint (can run code: only for a file you trust)",
     )
     args = parser.parse_args(argv)
+    from tts_lightning.evaluation.evaluate import evaluate
+    from tts_lightning.model.synthesis import read_text_file
+
     texts = list(args.text)
     if args.text_file:
-        texts += [t.strip() for t in args.text_file.read_text(encoding="utf-8").splitlines() if t.strip()]
-
-    from tts_lightning.evaluation.evaluate import EvaluationError, evaluate
-
-    try:
-        prepared = args.prepared if args.prepared is not None else _prepared_from_config(args.config)
-        result = evaluate(
-            args.model,
-            prepared,
-            args.out,
-            base=args.base,
-            speakers=args.speaker or None,
-            texts=texts or None,
-            max_texts=args.max_texts,
-            num_samples=args.num_samples,
-            seed=args.seed,
-            limit_factor=args.limit_factor,
-            icl=not args.no_icl,
-            device=args.device,
-            dtype=args.dtype,
-            trust_checkpoint=args.trust_checkpoint,
-        )
-    except EvaluationError as exc:
-        print(f"tts-lightning evaluate: error: {exc}", file=sys.stderr)
-        return 1
+        texts += read_text_file(args.text_file, "--text-file")
+    prepared = args.prepared if args.prepared is not None else _prepared_from_config(args.config)
+    result = evaluate(
+        args.model,
+        prepared,
+        args.out,
+        base=args.base,
+        speakers=args.speaker or None,
+        texts=texts or None,
+        max_texts=args.max_texts,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        limit_factor=args.limit_factor,
+        icl=not args.no_icl,
+        device=args.device,
+        dtype=args.dtype,
+        trust_checkpoint=args.trust_checkpoint,
+    )
     print(result["table"])
     print(f"{args.out / 'evaluation.json'}\n{args.out / 'evaluation.md'}\n{args.out / 'audio'}")
     return 0

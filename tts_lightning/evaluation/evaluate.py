@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from tts_lightning.errors import UserError
 from tts_lightning.metrics.speech import (
     DEFAULT_LIMIT_FACTOR,
     frame_limit,
@@ -57,7 +58,7 @@ SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
 Dtype = Literal["bf16", "fp16", "fp32"]
 
 
-class EvaluationError(ValueError):
+class EvaluationError(UserError, ValueError):
     """The inputs of an evaluation are missing, of the wrong kind or do not match each other."""
 
 
@@ -173,7 +174,7 @@ def _generate_system(
     audio_dir: Path,
 ) -> dict[str, list[dict[str, Any]]]:
     """Speak every (speaker, text, sample) with one system; the audio goes to ``audio_dir``."""
-    import soundfile as sf
+    from tts_lightning.files import atomic_write_wav
 
     out: dict[str, list[dict[str, Any]]] = {}
     frames = _record_frames(tts)
@@ -209,8 +210,7 @@ def _generate_system(
                         raise EvaluationError(f"the model speaks at {sr} Hz, expected {SAMPLE_RATE}")
                     wav = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
                     path = audio_dir / plan.name / system / f"text{t:02d}_sample{k}.wav"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    sf.write(str(path), np.clip(wav, -1.0, 1.0), SAMPLE_RATE)
+                    atomic_write_wav(path, np.clip(wav, -1.0, 1.0), SAMPLE_RATE)  # a full disk: WriteError
                     n = frames[-1]
                     gens.append(
                         {
@@ -289,7 +289,7 @@ def evaluate(
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
     return the result (what the JSON holds)."""
     from tts_lightning.evaluation.report import comparisons, markdown_table, summarize
-    from tts_lightning.files import atomic_write, atomic_write_json
+    from tts_lightning.files import WriteError, atomic_write, atomic_write_json, storage_error
     from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding, similarity_unavailable
     from tts_lightning.model.pretrained import PretrainedError, check_pretrained
 
@@ -305,8 +305,14 @@ def evaluate(
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     index_file, index = read_prepared(prepared)
     out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
+    except OSError as exc:  # a full disk or a folder that cannot be written: one message
+        cause = storage_error(exc)
+        if cause is None:
+            raise
+        raise WriteError(out, cause) from exc
     try:
         model_dir, model_kind, named_base = _resolve_model(
             model, workdir, base=base, dtype=dtype, trust_checkpoint=trust_checkpoint

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tts_lightning.errors import UserError
+
 MODEL_PREFIX = "model."  # Lightning's FSDP1 sharded layout: {"model": module state, "optimizer_0": ...}
 FSDP2_PREFIX = "state_dict."  # FSDP2's (`Qwen3TTSFSDP2Strategy`): {"state_dict": module state, ...}
 TRUST_HINT = (
@@ -31,7 +33,7 @@ TRUST_HINT = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, unreadable, unsafe or not one of this project's."""
 
 

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 from tts_lightning.model.pretrained import check_pretrained
@@ -33,7 +34,7 @@ CODEC_EMBEDDING = "model.talker.model.codec_embedding.weight"
 DEFAULT_SHARD_BYTES = 2**29  # safetensors shards of 512 MiB: export needs about two of them in memory
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export cannot be written as asked (name clash, bad checkpoint, existing output)."""
 
 

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -34,30 +33,24 @@ def export_command(argv: list[str]) -> int:
         "instead of the merged custom_voice model",
     )
     args = parser.parse_args(argv)
-    from tts_lightning.model.checkpoint import CheckpointError
-    from tts_lightning.model.export import ExportError, export_adapter, export_custom_voice
-    from tts_lightning.model.pretrained import PretrainedError
+    from tts_lightning.model.export import export_adapter, export_custom_voice
 
-    try:
-        if args.adapter_only:
-            out = export_adapter(
-                args.ckpt,
-                args.out,
-                pretrained=args.pretrained,
-                overwrite=args.overwrite,
-                trust_checkpoint=args.trust_checkpoint,
-            )
-        else:
-            out = export_custom_voice(
-                args.ckpt,
-                args.out,
-                dtype=args.dtype,
-                pretrained=args.pretrained,
-                overwrite=args.overwrite,
-                trust_checkpoint=args.trust_checkpoint,
-            )
-    except (ExportError, CheckpointError, PretrainedError) as exc:
-        print(f"tts-lightning export: error: {exc}", file=sys.stderr)
-        return 1
+    if args.adapter_only:
+        out = export_adapter(
+            args.ckpt,
+            args.out,
+            pretrained=args.pretrained,
+            overwrite=args.overwrite,
+            trust_checkpoint=args.trust_checkpoint,
+        )
+    else:
+        out = export_custom_voice(
+            args.ckpt,
+            args.out,
+            dtype=args.dtype,
+            pretrained=args.pretrained,
+            overwrite=args.overwrite,
+            trust_checkpoint=args.trust_checkpoint,
+        )
     print(out)
     return 0

@@ -65,6 +65,19 @@ def build_empty_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa"
         return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation))
 
 
+def build_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa", load_weights: bool = True) -> nn.Module:
+    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights, read tensor by tensor
+    into the parameters (no random init, no second copy: `MetaWeights`), or with random weights
+    when ``load_weights`` is false. No speech tokenizer: training does not need it, and the official
+    `from_pretrained` always loads it."""
+    if not load_weights:
+        from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+
+        return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
+    model = build_empty_model(info, attn_implementation=attn_implementation)
+    return MetaWeights(model, info).materialize_all(model)
+
+
 class MetaWeights:
     """Materializes the meta parameters of a model built by `build_empty_model`, module by module,
     with the checkpoint's values in ``dtype``.

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tts_lightning.errors import ConfigError
+
 ADAPTER_NAME = "default"
 BASE_LAYER = ".base_layer."
 
@@ -69,11 +71,11 @@ class LoRASettings:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise ValueError(f"adapter rank must be >= 1, got {self.rank}")
+            raise ConfigError(f"model.adapter.rank must be >= 1, got {self.rank}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"adapter dropout must lie in [0, 1), got {self.dropout}")
+            raise ConfigError(f"model.adapter.dropout must lie in [0, 1), got {self.dropout}")
         if not self.target_modules:
-            raise ValueError("adapter target_modules is empty")
+            raise ConfigError("model.adapter.target_modules is empty: name the nn.Linear layers to adapt")
         self.target_modules = list(self.target_modules)
         self.trainable = list(self.trainable)
 
@@ -81,7 +83,9 @@ class LoRASettings:
         """The dtype the frozen weights are stored in under the trainer's ``precision``."""
         bf16 = str(precision or "").startswith("bf16")
         if self.base_dtype == "bf16" and precision is not None and not bf16:
-            raise ValueError(f"adapter.base_dtype bf16 needs a bf16 trainer precision (bf16-mixed), not {precision!r}")
+            raise ConfigError(
+                f"model.adapter.base_dtype bf16 needs a bf16 trainer precision (bf16-mixed), not {precision!r}"
+            )
         if self.base_dtype == "bf16" or (self.base_dtype == "auto" and bf16):
             return torch.bfloat16
         return torch.float32
@@ -111,7 +115,7 @@ def target_names(model: nn.Module, settings: LoRASettings) -> list[str]:
         if isinstance(module, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in settings.target_modules)
     ]
     if not names:
-        raise ValueError(f"adapter target_modules {settings.target_modules} match no nn.Linear of the model")
+        raise ConfigError(f"model.adapter.target_modules {settings.target_modules} match no nn.Linear of the model")
     return names
 
 

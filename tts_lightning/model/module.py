@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from tts_lightning.deprecation import moved
+from tts_lightning.errors import ConfigError
 from tts_lightning.hparams import HParam
 from tts_lightning.model.generation import (
     SAMPLE_RATE,
@@ -31,14 +31,6 @@ from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.sequence import TalkerBatch, tokenize_text
-
-__getattr__ = moved(
-    __name__,
-    {
-        "matches": "tts_lightning.model.parameters:matches",
-        "DEFAULT_FREEZE": "tts_lightning.model.parameters:DEFAULT_FREEZE",
-    },
-)
 
 
 @dataclass(frozen=True)
@@ -168,7 +160,7 @@ class Qwen3TTSModule(L.LightningModule):
                 if not any(_matches(checkpoint_key(n), [p]) for n, _ in model.named_parameters())
             ]
             if unmatched:
-                raise ValueError(f"adapter.trainable patterns {unmatched} match no parameter of the model")
+                raise ConfigError(f"model.adapter.trainable patterns {unmatched} match no parameter of the model")
         self.frozen_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
         self.trainable_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if p.requires_grad)
         frozen_dtype = None
@@ -327,13 +319,16 @@ class Qwen3TTSModule(L.LightningModule):
         rows = {name: i for i, name in enumerate(self.speakers)}
         unknown = sorted({s for s in batch.speakers if s not in rows})
         if unknown:
-            raise ValueError(f"unknown speaker(s) {unknown}; this model speaks as {self.speakers}")
+            raise ConfigError(f"unknown speaker(s) {unknown}; this model speaks as {self.speakers}")
         table = self.speaker_embeddings
         index = torch.tensor([rows[s] for s in batch.speakers], dtype=torch.long, device=table.device)
         embeddings = table[index].float()
         empty = sorted({s for s, e in zip(batch.speakers, embeddings) if not bool(e.abs().sum() > 0)})
         if empty:
-            raise ValueError(f"speaker(s) {empty} have no embedding in this checkpoint (never seen in a training step)")
+            raise ConfigError(
+                f"speaker(s) {empty} have no embedding in this checkpoint (never seen in a training step); "
+                "predict with a later checkpoint or without them (data.predict_speakers)"
+            )
         if self.model is None:
             raise RuntimeError("the model is built by configure_model(); call it (or let the Trainer) first")
         tools = self.predict_tools()

@@ -2,7 +2,8 @@
 
 Transformers reports a broken directory with a stack trace from deep inside its loaders; every check
 here names the directory, the file and the problem instead. The tiny random model and the released
-checkpoints go through exactly the same functions.
+checkpoints go through exactly the same functions. Building the model with the directory's weights
+is `tts_lightning.model.loading.build_model`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from tts_lightning.errors import UserError
+
 TTS_MODEL_TYPES = ("base", "custom_voice", "voice_design")
 TEXT_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 
 
-class PretrainedError(ValueError):
+class PretrainedError(UserError, ValueError):
     """A pretrained directory is missing, incomplete or not a Qwen3-TTS 12 Hz checkpoint."""
 
 
@@ -55,7 +58,10 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
         return default_tiny_dir()
     looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
     if not looks_like_hub_id:
-        raise PretrainedError(f"pretrained directory {text!r} does not exist")
+        raise PretrainedError(
+            f"pretrained directory {text!r} does not exist: give a Qwen3-TTS 12 Hz directory, a hub id "
+            "(Qwen/Qwen3-TTS-12Hz-1.7B-Base) or tiny"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -149,21 +155,6 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
                 if key.startswith(prefix):
                     state[key] = f.get_tensor(key)
     return state
-
-
-def build_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa", load_weights: bool = True):
-    """`Qwen3TTSForConditionalGeneration` in fp32 with the checkpoint's weights, read tensor by tensor
-    into the parameters (no random init, no second copy: see `tts_lightning.model.loading`), or with
-    random weights when ``load_weights`` is false. No speech tokenizer: training does not need it,
-    and the official `from_pretrained` always loads it."""
-    if not load_weights:
-        from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
-
-        return Qwen3TTSForConditionalGeneration(load_config(info, attn_implementation)).float()
-    from tts_lightning.model.loading import MetaWeights, build_empty_model
-
-    model = build_empty_model(info, attn_implementation=attn_implementation)
-    return MetaWeights(model, info).materialize_all(model)
 
 
 def load_text_tokenizer(info: PretrainedInfo):

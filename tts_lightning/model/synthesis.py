@@ -8,6 +8,80 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tts_lightning.errors import UserError
+from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
+
+
+class SynthesisError(UserError, ValueError):
+    """What `synthesize` was asked does not fit the model: a missing or unknown speaker, a missing
+    reference clip, a language or a device it cannot use."""
+
+
+def resolve_device(device: str | None = None) -> str:
+    """The device to speak on: ``device`` as given (checked), else ``cuda`` when CUDA is available
+    and ``cpu`` otherwise, as Hugging Face pipelines choose."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise SynthesisError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SynthesisError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def read_text_file(path: str | os.PathLike, option: str = "--text-file") -> list[str]:
+    """The non-empty lines of a UTF-8 text file, one text each (``option``: how the user named the
+    file, for the message when it is missing or unreadable)."""
+    path = Path(path).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{option} {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"{option} {path} is a folder; give a text file with one text per line") from None
+    except PermissionError:
+        raise UserError(f"{option} {path} is not readable (permission denied)") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{option} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return [line.strip() for line in lines if line.strip()]
+
+
+def supported_languages(info: PretrainedInfo) -> list[str]:
+    """The ``language`` values the model accepts (what ``Qwen3TTSModel`` checks against)."""
+    languages = info.config["talker_config"].get("codec_language_id") or {}
+    return ["auto", *(name for name in languages if "dialect" not in name)]
+
+
+def check_request(
+    info: PretrainedInfo, *, speaker: str | None, ref_audio: str | os.PathLike | None, language: str
+) -> None:
+    """Raise `SynthesisError` when the model cannot speak as asked; before the model is loaded."""
+    if info.tts_model_type == "custom_voice":
+        if not speaker:
+            raise SynthesisError(f"{info.path} is a custom_voice model: pass --speaker, one of {sorted(info.speakers)}")
+        if speaker.lower() not in info.speakers:
+            raise SynthesisError(
+                f"--speaker {speaker!r} is not a speaker of {info.path}; it has {sorted(info.speakers)}"
+            )
+    elif info.tts_model_type == "base":
+        if ref_audio is None:
+            raise SynthesisError(
+                f"{info.path} is a base model: pass --ref-audio CLIP (a clip of the voice to clone), "
+                "or give a custom_voice model (`tts-lightning export`) and --speaker"
+            )
+        if not Path(ref_audio).expanduser().is_file():
+            raise SynthesisError(f"--ref-audio {ref_audio} does not exist")
+    else:
+        raise SynthesisError(
+            f"{info.path}: synthesis of tts_model_type {info.tts_model_type!r} is not supported "
+            "(give a custom_voice or a base model)"
+        )
+    languages = supported_languages(info)
+    if language.lower() not in languages:
+        raise SynthesisError(f"--language {language!r} is not one of this model's: {', '.join(languages)}")
+
 
 def synthesize(
     model_dir: str | os.PathLike,
@@ -18,34 +92,29 @@ def synthesize(
     language: str = "Auto",
     seed: int = 0,
     max_new_tokens: int | None = None,
+    device: str | None = None,
 ) -> tuple[list[np.ndarray], int]:
     """Generate one waveform per text.
 
     A ``custom_voice`` directory (what `export` writes) speaks as ``speaker``; a ``base`` directory
-    clones the voice of ``ref_audio`` (x-vector only, no reference transcript needed).
+    clones the voice of ``ref_audio`` (x-vector only, no reference transcript needed). The model
+    and its speech tokenizer run on ``device`` (default: cuda when available, else cpu).
     """
     from qwen_tts import Qwen3TTSModel
 
-    from tts_lightning.model.pretrained import check_pretrained
-
     info = check_pretrained(model_dir)
+    check_request(info, speaker=speaker, ref_audio=ref_audio, language=language)
+    device = resolve_device(device)
     torch.manual_seed(seed)
-    model = Qwen3TTSModel.from_pretrained(str(info.path))
+    # device_map reaches the speech tokenizer too: qwen_tts loads it with the same arguments.
+    model = Qwen3TTSModel.from_pretrained(str(info.path), device_map=device)
     kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
     if info.tts_model_type == "custom_voice":
-        if not speaker:
-            raise ValueError(f"{info.path} is a custom_voice model: pass a speaker, one of {sorted(info.speakers)}")
-        if speaker.lower() not in info.speakers:
-            raise ValueError(f"speaker {speaker!r} is not in {info.path} (it has {sorted(info.speakers)})")
         return model.generate_custom_voice(text=texts, speaker=speaker, language=language, **kwargs)
-    if info.tts_model_type == "base":
-        if ref_audio is None:
-            raise ValueError(f"{info.path} is a base model: pass --ref-audio to clone a voice")
-        return model.generate_voice_clone(
-            text=texts,
-            language=language,
-            ref_audio=str(Path(ref_audio)),
-            x_vector_only_mode=True,
-            **kwargs,
-        )
-    raise ValueError(f"{info.path}: synthesis of tts_model_type {info.tts_model_type!r} is not supported")
+    return model.generate_voice_clone(
+        text=texts,
+        language=language,
+        ref_audio=str(Path(ref_audio).expanduser()),  # type: ignore[arg-type]  # checked above
+        x_vector_only_mode=True,
+        **kwargs,
+    )

@@ -2,6 +2,8 @@
 
 tts-lightning synthesize --model runs/voice --speaker alice --text "Hello." --out hello.wav
 tts-lightning synthesize --model BASE_DIR --ref-audio clip.wav --text-file texts.txt --out wavs/
+
+The model and its speech tokenizer run on --device (default cuda when available, else cpu).
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ def synthesize_command(argv: list[str]) -> int:
     parser.add_argument("--language", default="Auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument(
+        "--device",
+        help="where the model and its speech tokenizer run: cpu, cuda or cuda:N (default: cuda when available)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
     args = parser.parse_args(argv)
     texts = list(args.text)
     if args.text_file:
-        texts += [t.strip() for t in args.text_file.read_text().splitlines() if t.strip()]
+        from tts_lightning.model.synthesis import read_text_file
+
+        texts += read_text_file(args.text_file, "--text-file")
     if not texts:
-        parser.error("give --text or --text-file")
+        parser.error("give --text or --text-file" + (f" ({args.text_file} holds no text)" if args.text_file else ""))
 
-    import soundfile as sf
-
+    from tts_lightning.files import atomic_write_wav
     from tts_lightning.model.synthesis import synthesize
 
     wavs, sr = synthesize(
@@ -45,14 +52,13 @@ def synthesize_command(argv: list[str]) -> int:
         language=args.language,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
+        device=args.device,
     )
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]
     else:
-        args.out.mkdir(parents=True, exist_ok=True)
         outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]
     for wav, out in zip(wavs, outs):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        sf.write(str(out), wav, sr)
+        atomic_write_wav(out, wav, sr)  # a full disk: one message, no partial file
         print(f"{out}  {len(wav) / sr:.2f} s")
     return 0

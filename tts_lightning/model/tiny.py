@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tts_lightning.deprecation import moved
+from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
 
 TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
@@ -388,6 +388,10 @@ def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
     )
 
 
+class TinyModelExistsError(UserError, FileExistsError):
+    """The path given for a tiny model holds something else (another tiny model, other files)."""
+
+
 def tiny_cache_dir() -> Path:
     """Where tiny models built on first use live: ``$TTS_LIGHTNING_CACHE``, else ``~/.cache/tts-lightning``."""
     root = os.environ.get("TTS_LIGHTNING_CACHE") or os.path.join(
@@ -426,12 +430,14 @@ def build_tiny_pretrained(
     if stamp.is_file():
         if json.loads(stamp.read_text()) == key:
             return out
-        raise FileExistsError(
+        raise TinyModelExistsError(
             f"{out} holds a tiny model built with other arguments ({stamp.read_text().strip()}); "
             "choose another path or delete it"
         )
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a tiny model directory; refusing to overwrite")
+        raise TinyModelExistsError(
+            f"{out} exists and is not a tiny model directory; refusing to overwrite it: choose another path"
+        )
 
     with staged_directory(out) as tmp:
         _build(tmp, seed, model_type, codebook_size)
@@ -459,6 +465,3 @@ def default_tiny_dir() -> Path:
         return build_tiny_pretrained()
     except OSError:
         return build_tiny_pretrained()
-
-
-__getattr__ = moved(__name__, {"default_cache_dir": "tts_lightning.model.tiny:tiny_cache_dir"})

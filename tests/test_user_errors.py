@@ -1,0 +1,254 @@
+"""Every command's user errors end in one message, ``tts-lightning <command>: error: ...``, and exit
+status 2, without a traceback; bugs keep theirs (`tts_lightning.errors`).
+
+The commands run in this process through the entry point (`tts_lightning.__main__.main`). For the
+LightningCLI commands the Trainer is booby-trapped: what these tests provoke must be found while the
+config is read and the model and data module are built, before any process would start (the
+shipped config runs 2 FSDP processes). Errors only a running Trainer finds (the data preparation,
+the predict texts) run with one process on the session's prepared demo clips."""
+
+# ruff: noqa: E501  (the cases below read best one a line, each with its exact message)
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_lightning.__main__ import main
+from tts_lightning.errors import USAGE, ConfigError, UserError, explain
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CPU = REPO / "configs" / "tiny-cpu.yaml"
+FIT = [
+    "--config",
+    str(TINY_CPU),
+    "--data.pretrained",
+    "{tiny}",
+    "--data.train_manifest",
+    "{work}/demo/train.jsonl",
+    "--data.cache_dir",
+    "{work}/cache",
+    "--trainer.default_root_dir",
+    "{work}/run",
+    "--trainer.logger.init_args.save_dir",
+    "{work}/run",
+]
+NO_PRETRAINED = (
+    "pretrained directory '{work}/nope' does not exist: give a Qwen3-TTS 12 Hz directory, a hub id "
+    "(Qwen/Qwen3-TTS-12Hz-1.7B-Base) or tiny"
+)
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU is there")
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+
+CASES = [
+    # fit, validate: the config, read and built before any process starts
+    ("fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)"),
+    ("fit", [*FIT, "--data.pretrained", "{work}/nope"], NO_PRETRAINED),
+    ("fit", [*FIT, "--data.pretrained", "{cv}"], "{cv}/config.json: tts_model_type is 'custom_voice', but 'base' is required (fine-tuning starts from a *-Base model)"),
+    ("fit", [*FIT, "--data.train_manifest", "{work}/nope.jsonl"], "manifest not found: {work}/nope.jsonl"),
+    ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
+    ("fit", [*FIT, "--data.manifest_encoding", "nope"], "unknown manifest_encoding 'nope'"),
+    ("fit", [*FIT, "--model.adapter.rank", "0"], "model.adapter.rank must be >= 1, got 0"),
+    ("fit", [*FIT, "--model.adapter.target_modules", "[]"], "model.adapter.target_modules is empty: name the nn.Linear layers to adapt"),
+    ("fit", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
+    pytest.param("fit", [*FIT, "--trainer.accelerator", "gpu"], "No supported gpu backend found!", marks=no_gpu),
+    ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
+    # synthesize: checked before the model is loaded
+    ("synthesize", ["--model", "{work}/nope", "--text", "Hi.", "--out", "{work}/x.wav"], NO_PRETRAINED),
+    ("synthesize", ["--model", "{tiny}", "--text", "Hi.", "--out", "{work}/x.wav"], "{tiny} is a base model: pass --ref-audio CLIP (a clip of the voice to clone), or give a custom_voice model (`tts-lightning export`) and --speaker"),
+    ("synthesize", ["--model", "{tiny}", "--ref-audio", "{work}/nope.wav", "--text", "Hi.", "--out", "{work}/x.wav"], "--ref-audio {work}/nope.wav does not exist"),
+    ("synthesize", ["--model", "{cv}", "--text", "Hi.", "--out", "{work}/x.wav"], "{cv} is a custom_voice model: pass --speaker, one of ['ryan', 'vivian']"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "carol", "--text", "Hi.", "--out", "{work}/x.wav"], "--speaker 'carol' is not a speaker of {cv}; it has ['ryan', 'vivian']"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--language", "Klingon", "--text", "Hi.", "--out", "{work}/x.wav"], "--language 'Klingon' is not one of this model's: auto, chinese, english, french, german, japanese"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--text-file", "{work}/nope.txt", "--out", "{work}/x.wav"], "--text-file {work}/nope.txt does not exist"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--text-file", "{work}/demo", "--out", "{work}/x.wav"], "--text-file {work}/demo is a folder; give a text file with one text per line"),
+    ("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--device", "tpu9", "--text", "Hi.", "--out", "{work}/x.wav"], "--device 'tpu9' is not a device; use cpu, cuda or cuda:N"),
+    pytest.param("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--device", "cuda", "--text", "Hi.", "--out", "{work}/x.wav"], "--device cuda: CUDA is not available on this machine; use --device cpu", marks=no_gpu),
+    # evaluate
+    ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev", "--text-file", "{work}/nope.txt"], "--text-file {work}/nope.txt does not exist"),
+    ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev"], "no prepared data index at {work}/nope: run `tts-lightning prepare --config ...` for the run's data first, or pass its cache folder (data.cache_dir)"),
+    ("evaluate", ["--model", "{cv}", "--config", "{work}/nope.yaml", "--out", "{work}/ev"], "config {work}/nope.yaml does not exist"),
+    ("evaluate", ["--model", "{cv}", "--config", "{work}/broken.yaml", "--out", "{work}/ev"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
+    # tiny-model, export, plan, ray-fit
+    ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
+    ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
+    ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
+    ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
+    pytest.param("ray-fit", [*FIT, "--trainer.strategy", "ddp"], "ray-fit trains with FSDP1 or FSDP2; trainer.strategy='ddp' is not supported (use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2))", marks=needs_ray),
+    pytest.param("ray-fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)", marks=needs_ray),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    from tts_lightning.data.demo import demo_dir
+
+    root = tmp_path_factory.mktemp("user-errors")
+    shutil.copytree(demo_dir(), root / "demo")
+    (root / "broken.yaml").write_text("data: a: b\n")
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text("{nope\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def command_line(monkeypatch):
+    """sys.argv as the `tts-lightning` command sees it (LightningCLI warns about pytest's)."""
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])
+
+
+@pytest.fixture
+def trapped_trainer(monkeypatch):
+    """Reaching the Trainer (where Lightning would start the other processes) fails the test."""
+    from lightning.pytorch.trainer import call
+
+    def trap(*args, **kwargs):
+        raise AssertionError("reached the Trainer")
+
+    monkeypatch.setattr(call, "_call_and_handle_interrupt", trap)
+
+
+def _fill(args: list[str], values: dict[str, Path]) -> list[str]:
+    return [a.format(**values) for a in args]
+
+
+def _run(command: str, args: list[str], capsys) -> tuple[int, str]:
+    code = main([command, *args])
+    return code, capsys.readouterr().err
+
+
+def _one_message(err: str, command: str) -> str:
+    """The error line, after checking that it is the only one and that no traceback came before it."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("tts-lightning ")]
+    assert len(lines) == 1 and err.rstrip("\n").endswith(lines[0]), err
+    prefix = f"tts-lightning {command}: error: "
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0][len(prefix) :]
+
+
+@pytest.mark.parametrize(("command", "args", "message"), CASES)
+def test_a_user_error_is_one_message_and_exit_status_2(
+    command, args, message, work, tiny_dir, tiny_custom_voice_dir, trapped_trainer, capsys
+):
+    values = {"work": work, "tiny": tiny_dir, "cv": tiny_custom_voice_dir}
+    code, err = _run(command, _fill(args, values), capsys)
+    assert (code, _one_message(err, command)) == (USAGE, message.format(**values))
+    assert not (work / "cache").exists() and not (work / "run").exists()  # found before any work
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("fit", ["--data.language", "klingon", "--data.cache_dir", "{work}/klingon"], "data.language: language 'klingon' is not supported by this model; use 'auto' or one of ['chinese', 'english', 'french', 'german', 'japanese']"),
+        ("predict", [], "nothing to predict: give predict_texts and/or predict_texts_file (one text per line)"),
+        ("predict", ["--data.predict_texts_file", "{work}/nope.txt"], "predict texts file {work}/nope.txt not found"),
+        ("predict", ["--data.predict_texts", "[Hi.]", "--data.predict_speakers", "[carol]"], "predict_speakers ['carol'] are not speakers of this run ['alice', 'bob']"),
+    ],
+)  # fmt: skip
+def test_a_user_error_found_by_the_running_trainer(command, args, message, work, tiny_dir, demo_data, capsys):
+    """One process, the session's prepared demo clips: the data module finds these in its hooks."""
+    _, manifest, cache = demo_data
+    values = {"work": work, "tiny": tiny_dir}
+    run = [
+        "--config",
+        str(TINY_CPU),
+        "--data.pretrained",
+        str(tiny_dir),
+        "--data.train_manifest",
+        str(manifest),
+        "--data.cache_dir",
+        str(cache),
+        "--data.max_frames_per_batch",
+        "150",
+        "--trainer.devices",
+        "1",
+        "--trainer.strategy",
+        "auto",
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(work / "running"),
+    ]
+    code, err = _run(command, [*run, *_fill(args, values)], capsys)
+    assert (code, _one_message(err, command)) == (USAGE, message.format(**values))
+
+
+def test_a_parse_error_is_one_message_not_the_usage_of_every_option(work, tiny_dir, trapped_trainer, capsys):
+    """LightningCLI's parser still exits (SystemExit 2, as argparse does), with two lines."""
+    args = _fill([*FIT, "--model.learning_rate", "fast"], {"work": work, "tiny": tiny_dir})
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args])
+    assert exit_.value.code == USAGE
+    assert capsys.readouterr().err == (
+        "tts-lightning fit: error: Parser key \"model.learning_rate\": Expected a <class 'float'>. Got value: fast\n"
+        "(`tts-lightning fit --help` lists every option)\n"
+    )
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path, capsys):
+    from tts_lightning.model import export
+
+    def broken(*args, **kwargs):
+        return {}["not a user error"]
+
+    monkeypatch.setattr(export, "export_custom_voice", broken)
+    with pytest.raises(KeyError, match="not a user error"):
+        main(["export", "--ckpt", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "voice")])
+    assert capsys.readouterr().err == ""
+
+
+def test_the_traceback_of_a_user_error_on_request(monkeypatch, tmp_path):
+    monkeypatch.setenv("TTS_LIGHTNING_TRACEBACK", "1")
+    with pytest.raises(UserError, match="does not exist"):
+        main(["export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "voice")])
+
+
+def test_what_counts_as_a_user_error():
+    from tts_lightning.data.predict import read_texts
+    from tts_lightning.files import WriteError
+
+    def raised(make):
+        try:
+            make()
+        except Exception as exc:
+            return exc
+        raise AssertionError("nothing raised")
+
+    def wrapped(inner):  # as jsonargparse wraps what a link's compute_fn raises
+        try:
+            raise inner
+        except Exception as exc:
+            raise ValueError(f"Call to compute_fn failed: {exc}") from exc
+
+    import tts_lightning
+
+    assert tts_lightning.UserError is UserError  # public: `except tts_lightning.UserError`
+    setting = ConfigError("model.adapter.rank must be >= 1, got 0")
+    assert explain(setting) == (str(setting), 2)
+    assert explain(raised(lambda: wrapped(setting))) == (str(setting), 2)  # unwrapped to the cause
+    full = WriteError("/x/y.wav", OSError(28, "No space left on device"), free=0)
+    assert explain(full) == (str(full), 1)  # the command was right: the disk was not
+    # A check of the data side that raises a plain ValueError (its own `raise` statement) ...
+    check = raised(lambda: read_texts([]))
+    assert type(check) is ValueError and explain(check) == (str(check), 2)
+    # ... but not a ValueError of a conversion in that code, nor one from a library: bugs.
+    from tts_lightning.data.subtitles import _seconds
+
+    conversion = raised(lambda: _seconds(None, "x", "0", "0"))
+    assert type(conversion) is ValueError and explain(conversion) is None
+    assert explain(raised(lambda: torch.zeros(2).view(3))) is None
+
+    def while_handling():  # an error raised while handling a user error is a failure of its own
+        try:
+            raise setting
+        except ConfigError:
+            return {}["bug"]
+
+    assert explain(raised(while_handling)) is None
