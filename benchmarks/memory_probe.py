@@ -73,3 +73,53 @@ class StartupMemory(L.Callback):
             pl_module.speaker_embeddings.copy_(trainer.datamodule.speaker_embeddings())
             trainer.save_checkpoint(self.checkpoint)
         trainer.should_stop = True
+
+
+class PhaseMemory(L.Callback):
+    """This rank's peak resident memory in each phase of a run, written to ``out_dir/rank<N>.json``:
+    ``start`` (setup: imports done, data prepared, to the first step: model built, loaded and sharded,
+    a checkpoint read back when resuming), ``step`` (training steps), ``validate``, ``save`` (after
+    validation, where `ModelCheckpoint` writes: it runs after this callback), and the baseline
+    before the model existed."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.peaks: dict[str, int] = {}
+        self.phase = "start"
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            rss = rss_bytes()
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            time.sleep(0.005)
+
+    def _enter(self, phase: str) -> None:
+        rss = rss_bytes()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), rss)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.baseline = rss_bytes()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._enter("step")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._enter("validate")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._enter("save")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._enter("end")
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._stop.set()
+        self.thread.join()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))

@@ -224,8 +224,8 @@ def load(shards: LeanShards, path: Path, *, keys: set[str], optimizers: list[tor
                 continue
             fqn, name = key[len(prefix) :].rsplit(".", 1)
             param, piece = shards.parameter(fqn), shards.piece(fqn)
-            if piece.numel() == 0 and len(meta.size) > 0:
-                continue  # none of it here
+            if piece.numel() == 0:
+                continue  # none of it here: no state either (its step count may lie on another node)
             value = torch.empty(
                 piece.numel() if len(meta.size) else (), dtype=meta.properties.dtype, device=piece.device
             )

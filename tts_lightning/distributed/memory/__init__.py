@@ -63,8 +63,9 @@ Not modelled: DDP's own gradient buckets (NO_SHARD here means FSDP NO_SHARD), th
 (B x S x S bytes, shared by all layers), the speech tokenizer (not used in training), eval steps.
 
 The package, one job per module: `presets` (released-size configs, `resolve_config`), `shapes` (the
-meta-device model and its units), `activations` (the activation model), `plan` (`plan_memory`,
-`MemoryPlan` and the advice), `config` (`plan_from_config`: a `fit` config read by the real CLI).
+meta-device model and its units), `activations` (the activation model), `settings` (`PlanSettings`:
+the run a plan is for), `plan` (`plan_memory`, `MemoryPlan`: the phases), `advice` (what makes a
+plan fit), `config` (`plan_from_config`: a `fit` config read by the real CLI).
 """
 
 from tts_lightning.distributed.memory.activations import (
@@ -78,15 +79,13 @@ from tts_lightning.distributed.memory.activations import (
 from tts_lightning.distributed.memory.config import parse_fit_config, plan_from_config
 from tts_lightning.distributed.memory.plan import (
     CUDA_OVERHEAD_BYTES,
-    PRECISIONS,
-    SHARDINGS,
     GiB,
     MemoryPlan,
-    _advice,
     plan_memory,
     speech_tokenizer_bytes,
 )
 from tts_lightning.distributed.memory.presets import PRESETS, resolve_config
+from tts_lightning.distributed.memory.settings import PRECISIONS, SHARDINGS, PlanSettings
 from tts_lightning.distributed.memory.shapes import (
     FSDP2_GROUPS,
     FSDP2_LAYERS,
@@ -120,9 +119,9 @@ __all__ = [
     "GiB",
     "MemoryPlan",
     "ModelShape",
+    "PlanSettings",
     "Unit",
     "_activation_bytes",
-    "_advice",
     "_checkpointed",
     "_layer_bytes",
     "build_meta_model",

@@ -1,0 +1,139 @@
+"""Host memory of every phase of a real-size run on this CPU machine, beside the planner's figure for
+each: start (model built, loaded and sharded), training steps, validation, a sharded checkpoint
+save, and a resume (the model built and the checkpoint read back) followed by one more step.
+
+The run is `tts-lightning fit` with 2 ranks (Lightning's launcher, the real CLI, strategy and
+module) of ``--config`` (default configs/tiny-cpu.yaml: FSDP1, fp32) on a released-size Base
+directory with random weights (benchmarks/released_dir.py), ``--frames`` padded positions per
+batch: 2 steps, a validation and its checkpoint (best + last), then a second `fit` resumed from
+``last`` for one more step. A probe callback (benchmarks/memory_probe.py `PhaseMemory`) samples
+each rank's RSS every 5 ms and keeps each phase's peak.
+
+Printed per phase: the peak RSS summed over both ranks (what must fit the machine: the goal of
+issue 28 is <= 21 GiB in every phase, the save at most 1 GiB above the step), and the RSS above the
+pre-model level beside the planner's bytes for that phase (`plan_from_config` on the same config and
+overrides; its CUDA constant left out, its per-GPU figure times 2). RSS also holds allocator caching
+and ~1 GiB of imports per process (in the baseline).
+
+    PYTHONPATH=. python benchmarks/phase_memory.py                                     # ~10 min, ~20 GiB
+    PYTHONPATH=. python benchmarks/phase_memory.py --config configs/tiny-cpu-fsdp2.yaml  # FSDP2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def fit(args: list[str], work: Path) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "268435456",  # the Makefile's CPU settings
+        "MALLOC_TRIM_THRESHOLD_": "536870912",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'benchmarks'}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run([sys.executable, "-m", "tts_lightning", "fit", *args], cwd=REPO, env=env, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"fit failed ({proc.returncode}); its output is above")
+
+
+def phases(folder: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """Per phase: the summed peak RSS, and the summed peak above each rank's baseline."""
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    names = [p for p in ranks[0]["peaks"] if all(p in r["peaks"] for r in ranks)]
+    total = {p: sum(r["peaks"][p] for r in ranks) for p in names}
+    above = {p: sum(r["peaks"][p] - r["baseline"] for r in ranks) for p in names}
+    return total, above
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny-cpu.yaml")
+    parser.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"))
+    parser.add_argument("--frames", type=int, default=60, help="data.max_frames_per_batch")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench" / "phases")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from released_dir import build_released_dir
+
+    from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_from_config
+
+    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
+    shutil.rmtree(args.work / "run", ignore_errors=True)
+    overrides = [
+        "--data.pretrained",
+        str(pretrained),
+        "--data.max_frames_per_batch",
+        str(args.frames),
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.num_sanity_val_steps",
+        "0",
+    ]
+    common = [
+        "--config",
+        args.config,
+        *overrides,
+        "--data.cache_dir",
+        str(args.work / "cache"),
+        "--trainer.default_root_dir",
+        str(args.work / "run"),
+        "--trainer.logger.init_args.save_dir",
+        str(args.work / "run"),
+        "--trainer.callbacks+=memory_probe.PhaseMemory",
+    ]
+    fit([*common, "--trainer.callbacks.out_dir", str(args.work / "fit"), "--trainer.max_steps", "2"], args.work)
+    fit(
+        [*common, "--trainer.callbacks.out_dir", str(args.work / "resume"), "--trainer.max_steps", "3"]
+        + ["--ckpt_path", "last"],
+        args.work,
+    )
+    plan = plan_from_config(args.config, 1000, overrides=overrides)
+    planned = {
+        "start": plan.startup,
+        "step": plan.total,
+        "save": plan.checkpoint_save,
+        "resume": plan.resume,
+    }
+    planned = {k: 2 * (v - CUDA_OVERHEAD_BYTES) for k, v in planned.items()}  # two ranks, no CUDA here
+    fit_total, fit_above = phases(args.work / "fit")
+    resume_total, resume_above = phases(args.work / "resume")
+    rows = [
+        ("start", fit_total.get("start"), fit_above.get("start"), planned["start"]),
+        ("step", fit_total.get("step"), fit_above.get("step"), planned["step"]),
+        ("validate", fit_total.get("validate"), fit_above.get("validate"), None),
+        ("save", fit_total.get("save"), fit_above.get("save"), planned["save"]),
+        ("resume", resume_total.get("start"), resume_above.get("start"), planned["resume"]),
+        ("step after resume", resume_total.get("step"), resume_above.get("step"), planned["step"]),
+    ]
+    print(f"\n{args.size}, {args.config}, 2 ranks, {args.frames} positions per batch (RSS in GiB, summed over ranks)")
+    print(f"{'phase':20}{'peak RSS':>10}{'above baseline':>16}{'planner':>10}{'meas/plan':>11}")
+    for name, total, above, plan_bytes in rows:
+        if total is None:
+            continue
+        ratio = f"{above / plan_bytes:11.2f}" if plan_bytes else ""
+        planner = f"{plan_bytes / GiB:10.2f}" if plan_bytes is not None else f"{'':10}"
+        print(f"{name:20}{total / GiB:10.2f}{above / GiB:16.2f}{planner}{ratio}")
+    print(f"save - step: {(fit_total['save'] - fit_total['step']) / GiB:+.2f} GiB (goal <= +1)")
+    worst = max(t for _, t, _, _ in rows if t is not None)
+    print(f"highest phase: {worst / GiB:.2f} GiB (goal <= 21 on this 24 GiB machine)")
+    (args.work / "phases.json").write_text(
+        json.dumps({"rows": rows, "config": args.config, "size": args.size, "frames": args.frames}, indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

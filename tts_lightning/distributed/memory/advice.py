@@ -1,0 +1,87 @@
+"""What makes a plan that does not fit fit: options tried cheapest first, each on top of the last."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tts_lightning.distributed.memory.activations import _checkpointed
+from tts_lightning.distributed.memory.settings import PlanSettings
+from tts_lightning.distributed.memory.shapes import TEXT_EMBEDDING
+from tts_lightning.model.parameters import matches
+
+if TYPE_CHECKING:
+    from tts_lightning.distributed.memory.plan import MemoryPlan
+
+GiB = 2**30
+
+
+def advise(plan: MemoryPlan, settings: PlanSettings, plan_for: Callable[[PlanSettings], MemoryPlan]) -> list[str]:
+    """Options that make ``plan`` fit, cheapest first, applied cumulatively until it fits;
+    ``plan_for`` plans the same model with other settings."""
+    advice: list[str] = []
+    current = plan
+
+    def attempt(text: str, **change) -> bool:
+        nonlocal current, settings
+        settings = replace(settings, **change)
+        trial = plan_for(settings)
+        advice.append(
+            f"{text}: {current.total / GiB:.1f} -> {trial.total / GiB:.1f} GiB per GPU"
+            + (" (fits)" if trial.fits else "")
+        )
+        current = trial
+        return trial.fits
+
+    if _checkpointed(settings.activation_checkpointing) != (True, True) and attempt(
+        "turn on activation checkpointing (strategy activation_checkpointing_policy: both "
+        "decoder-layer classes; costs ~30% more compute)",
+        activation_checkpointing=True,
+    ):
+        return advice
+    if (
+        settings.sharding != "FULL_SHARD"
+        and settings.gpus > 1
+        and attempt(
+            "use reshard_after_forward: true" if settings.fsdp2 else "use sharding_strategy FULL_SHARD",
+            sharding="FULL_SHARD",
+        )
+    ):
+        return advice
+    if (
+        settings.adapter is None
+        and not matches(TEXT_EMBEDDING + ".weight", settings.freeze)
+        and attempt(
+            f"freeze {TEXT_EMBEDDING} (model.freeze; 311M parameters in the released models, rarely "
+            "worth training for a new voice)",
+            freeze=[*settings.freeze, TEXT_EMBEDDING],
+        )
+    ):
+        return advice
+    # More GPUs: an alternative, not applied to the steps that follow.
+    for n in (2, 4, 8, 16, 32, 64, 128):
+        if n > settings.gpus:
+            trial = plan_for(replace(settings, gpus=n, sharding="FULL_SHARD"))
+            if trial.fits:
+                advice.append(f"or use {n} GPUs with FULL_SHARD: {trial.total / GiB:.1f} GiB per GPU (fits)")
+                break
+    if not settings.cpu_offload and attempt(
+        "turn on cpu_offload (parameters, gradients and AdamW state in host RAM; much slower steps)", cpu_offload=True
+    ):
+        return advice
+    lo, hi = 0, settings.micro_batch_frames
+    while hi - lo > 1:  # the largest micro-batch that fits
+        mid = (lo + hi) // 2
+        if plan_for(replace(settings, micro_batch_frames=mid)).fits:
+            lo = mid
+        else:
+            hi = mid
+    if lo >= 1:
+        attempt(
+            f"lower data.max_frames_per_batch to {lo} (raise accumulate_grad_batches to keep the global batch)",
+            micro_batch_frames=lo,
+        )
+    else:
+        advice.append("it does not fit even with all of the above: use GPUs with more memory")
+    return advice
