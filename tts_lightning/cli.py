@@ -118,6 +118,12 @@ class TTSLightningCLI(LightningCLI):
         path = self.config[self.subcommand].get("ckpt_path")
         if path is None or str(path) in ("last", "best", "hpc") or "://" in str(path):
             return
+        environment = getattr(self.trainer.strategy, "cluster_environment", None)
+        if environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1:
+            # Every rank runs this on its own storage: one that stopped here would leave the others
+            # waiting for it; the strategies agree on the path across ranks instead
+            # (`AtomicCheckpoints.check_on_every_node`).
+            return
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
         if not os.path.exists(path):

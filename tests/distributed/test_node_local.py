@@ -72,9 +72,16 @@ def _checkpoints(folder):
     return sorted(p.name for p in (folder / "run" / "checkpoints").iterdir())
 
 
-def test_node_local_checkpoints_write_prune_and_resume_on_every_node(folders, tiny_dir, zygotes, tmp_path):
+@pytest.fixture(scope="module")
+def trained(folders, tiny_dir, zygotes):
+    """3 steps on node-local disks, validated and checkpointed at every step (top-k 1)."""
     nodes = [folders["node0"], folders["node1"]]
     _fit(zygotes, folders, nodes, tiny_dir, "--trainer.max_steps", 3)
+    return nodes
+
+
+def test_node_local_checkpoints_write_prune_and_resume_on_every_node(trained, folders, tiny_dir, zygotes, tmp_path):
+    nodes = trained
     # Top-k 1 with a validation every step: superseded checkpoints are gone on both nodes.
     assert _checkpoints(nodes[0]) == _checkpoints(nodes[1]) and len(_checkpoints(nodes[0])) == 2
     for node, ranks in zip(nodes, ((0, 1), (2, 3))):
@@ -103,7 +110,7 @@ def test_node_local_checkpoints_write_prune_and_resume_on_every_node(folders, ti
         torch.testing.assert_close(together.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
-def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(folders, tiny_dir, zygotes):
+def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(trained, folders, tiny_dir, zygotes):
     """A full checkpoint (one file rank 0 writes) on node-local storage: refused before training.
     A checkpoint to resume from that some node lacks: refused at resume, on every rank."""
     nodes = [folders["full0"], folders["full1"]]
@@ -113,7 +120,7 @@ def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(folders,
     assert refused.returncode != 0 and "use state_dict_type: sharded" in refused.stderr, refused.stderr[-3000:]
     assert not (nodes[0] / "run" / "checkpoints" / "last.ckpt").exists()  # before any step
 
-    shutil.copytree(folders["node0"] / "run" / "checkpoints" / "last.ckpt", nodes[0] / "resume.ckpt")
+    shutil.copytree(trained[0] / "run" / "checkpoints" / "last.ckpt", nodes[0] / "resume.ckpt")
     refused = _fit(zygotes, folders, nodes, tiny_dir, "--ckpt_path", folders["mount"] / "resume.ckpt", check=False)
     assert refused.returncode != 0
     assert "cannot resume: checkpoint" in refused.stderr and "is missing here (node 1)" in refused.stderr

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tts_lightning.distributed.memory.activations import _checkpointed
 from tts_lightning.distributed.memory.settings import PlanSettings
 from tts_lightning.distributed.memory.shapes import TEXT_EMBEDDING
 from tts_lightning.model.parameters import matches
 
-if TYPE_CHECKING:
-    from tts_lightning.distributed.memory.plan import MemoryPlan
-
 GiB = 2**30
 
 
-def advise(plan: MemoryPlan, settings: PlanSettings, plan_for: Callable[[PlanSettings], MemoryPlan]) -> list[str]:
+class Plan(Protocol):  # what the advice reads of a `MemoryPlan`
+    total: int
+    fits: bool
+
+
+def advise(plan: Plan, settings: PlanSettings, plan_for: Callable[[PlanSettings], Plan]) -> list[str]:
     """Options that make ``plan`` fit, cheapest first, applied cumulatively until it fits;
     ``plan_for`` plans the same model with other settings."""
     advice: list[str] = []
