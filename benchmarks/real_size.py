@@ -51,13 +51,65 @@ def parse() -> argparse.Namespace:
     p.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on CUDA")
     p.add_argument("--frames", type=int, default=300, help="data.max_frames_per_batch (padded positions)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--gpu-memory", type=float, default=None, help="cap this process's GPU memory (GiB)")
+    p.add_argument(
+        "--clip-seconds",
+        type=float,
+        default=24.0,
+        help="the demo clips joined into clips this long (batches near --frames)",
+    )
+    p.add_argument(
+        "--gpu-memory", type=float, default=None, help="a card sold as this many GB: what it leaves after the context"
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--strategy", default="fsdp1", choices=("fsdp1", "fsdp2"), help="FSDP1 or FSDP2 (fully_shard)")
     p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench", help="where the data cache and logs go")
     return p.parse_args()
+
+
+def long_clips(folder: Path, seconds: float) -> Path:
+    """A manifest of the demo clips joined per speaker into clips of about ``seconds`` (their texts
+    joined too): a batch of 2000 padded positions then holds a few long clips, as with real
+    recordings, instead of the short demo clips' padding."""
+    import numpy as np
+    import soundfile as sf
+
+    from tts_lightning.data.demo import demo_dir
+
+    manifest = folder / "train.jsonl"
+    if manifest.is_file():
+        return manifest
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [json.loads(line) for line in (demo_dir() / "train.jsonl").read_text().splitlines()]
+    lines = []
+    for speaker in sorted({r["speaker"] for r in records}):
+        own = [r for r in records if r["speaker"] == speaker]
+        for turn in range(3):  # the speaker's clips, three times over, each round from another start
+            audio, texts, rate = [], [], 24000
+            for r in own[turn:] + own[:turn]:
+                wave, rate = sf.read(demo_dir() / r["audio"], dtype="float32")
+                audio.append(wave)
+                texts.append(r["text"])
+                if sum(len(a) for a in audio) >= seconds * rate:
+                    name = f"{speaker}_{turn}_{len(lines)}.wav"
+                    sf.write(folder / name, np.concatenate(audio), rate)
+                    lines.append(json.dumps({"audio": name, "text": " ".join(texts), "speaker": speaker}))
+                    audio, texts = [], []
+    manifest.write_text("\n".join(lines) + "\n")
+    return manifest
+
+
+def forward_flops(trainer, batch) -> int:
+    """Matmul FLOPs of one forward of ``batch`` through the wrapped model (torch's counter: matrix
+    products and attention, not embedding lookups), without gradients."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        trainer.strategy.model(batch)
+    return int(counter.get_total_flops())
 
 
 def main() -> int:
@@ -100,13 +152,23 @@ def main() -> int:
 
     data_connector._InfiniteBarrier = contextlib.nullcontext
     cuda = args.device == "cuda"
-    if cuda and args.gpu_memory:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory * GiB / total))
+    card = context = 0
+    if cuda:
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # the CUDA context exists now
+        free, total = torch.cuda.mem_get_info()
+        context = total - free  # the context and anything else outside PyTorch's allocator
+        if args.gpu_memory:
+            # What a card sold as N GB offers in all (nvidia-smi's total: 16376 MiB for a 16 GB
+            # card), of which the CUDA context takes its share first: the allocator gets the rest.
+            card = int((args.gpu_memory * 1024 - 8) * 2**20)
+            torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (card - context) / total)))
 
     class Probe(L.Callback):
         positions = 0
+        flops = 0
         step_seconds: list[float] = []
+        tokens: list[int] = []
 
         def setup(self, trainer, pl_module, stage):
             self.baseline = rss_bytes()  # imports done, data prepared, no model yet
@@ -119,17 +181,22 @@ def main() -> int:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.positions = max(self.positions, batch.text_ids.numel())
+            if cuda:
+                torch.cuda.synchronize()
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if cuda:
                 torch.cuda.synchronize()
             self.step_seconds.append(time.perf_counter() - self.t0)
-            self.tokens = getattr(self, "tokens", 0) + int(batch.attention_mask.sum())
+            self.tokens.append(int(batch.attention_mask.sum()))
+            if not self.flops:  # the model's matmul FLOPs of this batch: 3 x the forward's
+                self.flops = 3 * forward_flops(trainer, batch)
 
         def on_train_end(self, trainer, pl_module):
             self.rss_peak = self.sampler.stop()
             self.cuda_peak = torch.cuda.max_memory_allocated() if cuda else 0
+            self.cuda_reserved = torch.cuda.max_memory_reserved() if cuda else 0
             self.held = held_bytes(trainer.strategy.model, trainer.optimizers[0])
 
     probe = Probe()
@@ -141,7 +208,7 @@ def main() -> int:
     work = args.work / f"real-size-{name}"
     data = SpeakerClipsDataModule(
         str(pretrained),
-        str(REPO / "tts_lightning" / "demo" / "train.jsonl"),
+        str(long_clips(work / "clips", args.clip_seconds)),
         val_fraction=0.15,
         cache_dir=str(work / "cache"),
         seed=0,
@@ -200,9 +267,9 @@ def main() -> int:
     peak = probe.cuda_peak if cuda else probe.rss_peak + probe.startup_rss - probe.baseline
     # The planner's peak counts a CUDA constant; tensors (CUDA) or RSS (CPU) do not.
     plan_peak = plan.total - CUDA_OVERHEAD_BYTES
-    steady = probe.step_seconds[1:] or probe.step_seconds
+    steady = probe.step_seconds[1:] or probe.step_seconds  # the first step warms up (allocator, kernels)
     step_s = sorted(steady)[len(steady) // 2]
-    tokens_s = probe.tokens / sum(probe.step_seconds)
+    tokens_s = sum(probe.tokens[1:] or probe.tokens) / sum(steady)
     figures = {
         "size": name,
         "world": args.world,
@@ -223,10 +290,15 @@ def main() -> int:
         "samples": args.samples,
     }
     if cuda:
-        n = sum(p.numel() for p in module.parameters()) * args.world  # local shards x ranks
-        flops = 6 * n * probe.tokens / len(probe.step_seconds) / step_s * 4 / 3  # + recomputation
+        # Model FLOPs of the first batch's matmuls (forward counted by torch, x3 for the backward;
+        # activation recomputation and embedding lookups not counted), per second of a steady step.
         peak_flops = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # H200/H100 bf16 dense
-        figures["mfu"] = flops / peak_flops
+        figures["mfu"] = probe.flops / step_s / peak_flops
+        figures["cuda_context"] = context
+        figures["cuda_reserved_peak"] = probe.cuda_reserved
+        if card:
+            figures["card_bytes"] = card
+            figures["fits_card"] = probe.cuda_reserved + context <= card
     print(
         f"\n{name}: {args.strategy}, rank 0 of {args.world} (fake process group), {precision}, {args.device}, "
         f"cpu_offload {args.cpu_offload}, largest batch {probe.positions} padded positions, "
@@ -246,9 +318,15 @@ def main() -> int:
             "time is compute only: no collective is sent)"
         )
     print(
-        f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s"
-        + (f", MFU {figures['mfu'] * 100:.1f}%" if cuda else "")
+        f"step {step_s:.2f} s (median after the first), {tokens_s:,.0f} tokens/s after the first step"
+        + (f", MFU {figures['mfu'] * 100:.1f}% (matmul FLOPs)" if cuda else "")
     )
+    if cuda:
+        print(
+            f"CUDA: context {context / GiB:.2f} GiB + reserved peak {probe.cuda_reserved / GiB:.2f} GiB "
+            f"(allocated peak {probe.cuda_peak / GiB:.2f})"
+            + (f" vs a {args.gpu_memory:g} GB card's {card / GiB:.2f} GiB: fits {figures['fits_card']}" if card else "")
+        )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
     return 0

@@ -21,3 +21,14 @@ def test_real_size_emulates_one_rank_of_four(strategy, tiny_dir, tmp_path, run_s
     figures = json.loads(out.read_text())
     assert figures["world"] == 4 and figures["steps"] == 2 and figures["positions"] > 0
     assert figures["model_states"] == figures["planned_model_states"] > 0
+
+
+def test_the_gpu_check_imports_what_it_names():
+    """benchmarks/gpu_check.py's preflight names every module its steps import: all of them import
+    here (a misspelt name would make the GPU run stop at its first minute)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.preflight() == []

@@ -11,8 +11,8 @@ module that emits it:
 - transformers logs "Setting `pad_token_id` to `eos_token_id` ..." on every `generate` call.
 - Lightning's pytree helper triggers torch's "`isinstance(treespec, LeafSpec)` is deprecated" on
   every step; Lightning advertises litlogger in a "Tip" line.
-- torch's FSDP state-dict code warns about ``_get_pg_default_device`` and ShardedTensor
-  deprecations on every sharded checkpoint.
+- torch's FSDP state-dict and checkpoint code warn about ``_get_pg_default_device`` and
+  ShardedTensor deprecations on every sharded checkpoint.
 
 This module imports nothing heavy: installing it costs nothing on `tts-lightning --help`.
 """
@@ -53,6 +53,12 @@ WARNING_FILTERS = (
     (
         r"Please use DTensor instead and we are deprecating ShardedTensor",
         r"torch\.distributed\.fsdp\._state_dict_utils",
+    ),
+    # Reading and writing the lean FSDP1 checkpoints (tts_lightning.distributed.lean_state), whose
+    # ShardedTensors carry the parameters' own shapes (DTensor cannot hold FSDP1's uneven pieces).
+    (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"torch\.distributed\.checkpoint\.(planner_helpers|default_planner|_sharded_tensor_utils|utils)",
     ),
     # Every FSDP2 step: a decoder layer returns a view. Nothing modifies it in place (the 2-rank test
     # gets FSDP1's gradients and weights to 1e-5), so the warning says nothing about this model.

@@ -404,3 +404,50 @@ def test_monitoring_similarity_it_cannot_log_is_refused_before_training(monkeypa
         callback.setup(trainer("val/speaker_similarity"), None, "fit")
     callback.setup(trainer("val/loss"), None, "fit")  # the loss needs no scorer
     callback.setup(trainer("val/speaker_similarity"), None, "validate")  # nothing is kept by validate
+
+
+@pytest.mark.slow  # a 2-rank fit
+def test_a_failing_sampling_round_is_skipped_and_training_goes_on(tiny_dir, demo_data, run_cli, tmp_path):
+    """Sampling fails on rank 0 at every validation: both ranks skip the round together, the run
+    finishes its steps and keeps its checkpoints by val/speaker_similarity (NaN for a failed round);
+    with on_error raise, it stops instead."""
+    demo, manifest, cache = demo_data
+    here = Path(__file__).parent
+    args = [
+        "fit",
+        "--config",
+        CONFIG,
+        "--data.pretrained",
+        tiny_dir,
+        "--data.train_manifest",
+        manifest,
+        "--data.cache_dir",
+        cache,
+        "--data.max_frames_per_batch",
+        150,
+        "--trainer.max_steps",
+        2,
+        "--trainer.val_check_interval",
+        1,
+        "--trainer.default_root_dir",
+        tmp_path / "run",
+        "--trainer.logger.init_args.save_dir",
+        tmp_path / "run",
+        "--checkpoint.monitor",
+        "val/speaker_similarity",
+        "--checkpoint.mode",
+        "max",
+        "--trainer.callbacks+=failing_samples.FailingSamples",
+        "--trainer.callbacks.max_new_tokens",
+        6,
+    ]
+    done = run_cli(*args, cwd=tmp_path, pythonpath=[here])
+    assert "samples at step 1 failed (RuntimeError: injected decoding failure); skipped" in done.stderr
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and len(checkpoints) == 3, checkpoints  # last + the top 2
+    acc = read_events(tmp_path / "run")
+    assert [np.isnan(e.value) for e in acc.Scalars("val/speaker_similarity")] == [True, True]
+    assert [e.step for e in acc.Scalars("baseline/speaker_similarity")] == [0]  # the baseline worked
+
+    stopped = run_cli(*args, "--trainer.callbacks.on_error", "raise", cwd=tmp_path, pythonpath=[here], check=False)
+    assert stopped.returncode != 0 and "injected decoding failure" in stopped.stdout + stopped.stderr

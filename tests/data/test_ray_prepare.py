@@ -42,3 +42,14 @@ def test_ray_workers_write_the_same_codes_as_one_process(tiny_dir, tmp_path, cap
     assert len(serial) == 24 and ray.keys() == serial.keys()
     assert [p for p in serial if ray[p] != serial[p]] == []
     assert (tmp_path / "ray" / "prepared.json").read_bytes() == (tmp_path / "serial" / "prepared.json").read_bytes()
+
+
+def test_gpu_encoding_actors_ask_ray_for_a_gpu_each():
+    """A CUDA prepare device: each actor asks Ray for one GPU and encodes on the one Ray gives it
+    (``cuda``, its only visible device); CPU work asks for none."""
+    from tts_lightning.data.ray_prepare import actor_device
+
+    assert actor_device("cuda:3") == (1.0, "cuda")
+    assert actor_device("cuda") == (1.0, "cuda")
+    assert actor_device("cpu") == (0.0, "cpu")
+    assert actor_device(None) == (0.0, None)

@@ -14,34 +14,31 @@ their audio as ``baseline_samples/...``): the line the fine-tuned voice has to b
 ``stop_below_baseline=N`` training stops when the similarity stays below the baseline's for N
 sampled validations in a row.
 
-Under FSDP2 (`Qwen3TTSFSDP2Strategy`) every rank takes part in gathering the full state into rank
-0's host memory one parameter at a time (``get_model_state_dict(full_state_dict=True,
-cpu_offload=True)``), from which rank 0 builds the same plain copy. Under FSDP1 the weights are
-flat shards outside the training step. Every rank enters
-``FullyShardedDataParallel.summon_full_params(rank0_only=True, offload_to_cpu=True)`` (one
-all-gather per unit, on all ranks, in the same order); rank 0 receives the full weights in host
-memory, copies them into a plain model in the run's compute dtype on its device (bf16 under
-bf16-mixed: 3.6 GiB for the 1.7B, never the 7.2 GiB fp32 model) and generates with it, with no
-collective inside generation; the copy is freed before the speech tokenizer, kept in host memory,
-visits the GPU to decode. Then every rank takes part in one broadcast of rank 0's result and logs
-the same key, so the metric's epoch-end reduction is entered by all ranks. Nothing collective
-depends on what rank 0 generated, so ranks cannot fall out of step; if generation fails on rank 0
-the failure is broadcast and every rank raises instead of waiting.
+Every rank takes part in gathering the weights into a plain copy on rank 0 (`generation_copy`),
+which generates and decodes with no collective inside; then every rank takes part in one broadcast
+of rank 0's result and logs the same key, so the metric's epoch-end reduction is entered by all
+ranks. Nothing collective depends on what rank 0 generated, so ranks cannot fall out of step.
+
+Sampling is optional: when it fails (generation out of memory on a small card, a decoding error),
+every rank learns of it through the broadcast and, by default (``on_error: skip``), warns once,
+logs NaN for this round's metrics (a checkpoint monitor takes NaN as the worst value) and goes on
+training and checkpointing; ``on_error: raise`` stops the run on every rank instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 
+from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, speech_tokenizer_on
+from tts_lightning.callbacks.speaker_facts import SpeakerFacts
+from tts_lightning.callbacks.spectrogram import mel_image
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
@@ -54,92 +51,7 @@ RATE_NAME = "val/speaking_rate_ratio"
 EOS_NAME = "val/eos_failure_rate"
 METRICS = {"speaker_similarity": METRIC_NAME, "speaking_rate_ratio": RATE_NAME, "eos_failure_rate": EOS_NAME}
 BASELINE_PREFIX = "baseline/"
-PACE_CLIPS = 8  # at most this many of a speaker's clips measure its pace
-
-
-@contextlib.contextmanager
-def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[nn.Module | None]:
-    """Collective on all ranks: a plain model to generate with on global rank 0, None elsewhere.
-
-    Under FSDP (either strategy, any sharding, one rank or many) every rank takes part in gathering
-    the full state into rank 0's *host* memory one unit (FSDP1) or parameter (FSDP2) at a time
-    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); rank 0 copies it into a
-    fresh model in the run's compute dtype (bf16 under bf16-mixed) on its device and the host copy
-    is released before generation starts: the GPU holds the copy (2 bytes per parameter) only
-    while sampling, never a second fp32 model. Generation then issues no collective at all.
-    Without FSDP the module's own model is used, on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    from tts_lightning.model.generation import compute_dtype
-    from tts_lightning.model.loading import copy_model
-
-    plain = pl_module.model
-    assert isinstance(plain, nn.Module)
-    root = trainer.strategy.model
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if isinstance(root, FSDPModule):  # FSDP2: the parameters are DTensor shards
-        policy = getattr(trainer.strategy, "mixed_precision_policy", None)
-        dtype = getattr(policy, "param_dtype", None) or compute_dtype(plain)
-        state = get_model_state_dict(plain, options=options)
-    elif isinstance(root, FullyShardedDataParallel):
-        # From the FSDP root (the LightningModule): its own unit holds parameters of the model too.
-        # Keys are the LightningModule's ("model.talker..."); NO_SHARD (one rank) works the same.
-        dtype = compute_dtype(plain)
-        prefix = "model."
-        state = {
-            k[len(prefix) :]: v for k, v in get_model_state_dict(root, options=options).items() if k.startswith(prefix)
-        }
-    else:
-        yield plain if trainer.is_global_zero else None
-        return
-    tensors = cast("dict[str, Tensor]", state)  # parameters and buffers only: all tensors
-    model = copy_model(plain, dtype=dtype, device=pl_module.device, state=tensors) if trainer.is_global_zero else None
-    del state, tensors
-    try:
-        yield model
-    finally:
-        del model
-        if pl_module.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def speech_tokenizer_on(tokenizer, device: torch.device) -> Iterator[None]:
-    """Keep the speech tokenizer in host memory except while it decodes on ``device``."""
-    if device.type == "cpu":
-        yield
-        return
-    tokenizer.model.to(device)
-    tokenizer.device = device
-    try:
-        yield
-    finally:
-        tokenizer.model.to("cpu")
-        tokenizer.device = torch.device("cpu")
-        torch.cuda.empty_cache()
-
-
-def mel_image(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, n_mels: int = 80, top_db: float = 80.0) -> Tensor:
-    """A log-mel spectrogram as a CHW float image in [0, 1], low frequencies at the bottom: RGB
-    through matplotlib's magma colormap when matplotlib is installed, else one grey channel."""
-    import torchaudio
-
-    wave = torch.as_tensor(audio, dtype=torch.float32).reshape(-1)
-    n_fft = 1024
-    if wave.numel() < n_fft:
-        wave = torch.nn.functional.pad(wave, (0, n_fft - wave.numel()))
-    mel = torchaudio.transforms.MelSpectrogram(
-        sample_rate=sample_rate, n_fft=n_fft, hop_length=256, n_mels=n_mels, f_max=sample_rate / 2
-    )(wave)
-    db = 10.0 * torch.log10(mel.clamp(min=1e-10))
-    image = ((db - db.max() + top_db) / top_db).clamp(0.0, 1.0).flip(0)  # (n_mels, frames)
-    try:
-        from matplotlib import colormaps
-    except ImportError:
-        return image[None]
-    rgb = colormaps["magma"](image.numpy())[..., :3]  # (H, W, 3)
-    return torch.from_numpy(np.ascontiguousarray(rgb, dtype=np.float32)).permute(2, 0, 1)
+FAILED: dict[str, float | None] = {}  # what a failed sampling round returns (compared by identity)
 
 
 class SpeakerSamplesCallback(Callback):
@@ -162,6 +74,8 @@ class SpeakerSamplesCallback(Callback):
             this many sampled validations in a row (None: never).
         limit_factor: a sample fails to end when it runs past this many times the speaker's time for
             its text (``max_new_tokens`` still caps it).
+        on_error: ``skip`` (warn, log NaN, keep training) or ``raise`` (stop the run) when sampling
+            or scoring fails.
     """
 
     def __init__(
@@ -176,6 +90,7 @@ class SpeakerSamplesCallback(Callback):
         baseline: bool = True,
         stop_below_baseline: int | None = None,
         limit_factor: float = 3.0,
+        on_error: Literal["skip", "raise"] = "skip",
     ) -> None:
         if every_n_val_epochs < 1:
             raise ValueError(f"every_n_val_epochs must be >= 1, got {every_n_val_epochs}")
@@ -195,6 +110,9 @@ class SpeakerSamplesCallback(Callback):
             raise ValueError(f"stop_below_baseline must be >= 1 or None, got {stop_below_baseline}")
         if limit_factor <= 0:
             raise ValueError(f"limit_factor must be > 0, got {limit_factor}")
+        if on_error not in ("skip", "raise"):
+            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+        self.on_error = on_error
         self.baseline = baseline
         self.stop_below_baseline = stop_below_baseline
         self.limit_factor = float(limit_factor)
@@ -204,9 +122,13 @@ class SpeakerSamplesCallback(Callback):
         self._warned: set[str] = set()
         self._text = None  # text tokenizer, rank 0 only
         self._speech = None  # speech tokenizer, rank 0 only, kept in host memory
-        self._index: dict | None = None
-        self._references: dict[str, Tensor] = {}
-        self._paces: dict[str, float | None] = {}
+        self.facts = SpeakerFacts(
+            language=language,
+            speakers=self.speakers,
+            max_new_tokens=self.max_new_tokens,
+            limit_factor=self.limit_factor,
+            warn=self._warn_once,
+        )
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -265,7 +187,8 @@ class SpeakerSamplesCallback(Callback):
         if not loggers and not scoring:
             return
         values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=True)
-        self.baseline_values = values
+        if values is not FAILED:
+            self.baseline_values = values
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # `self.log` is allowed here (not in on_validation_end), so the similarity can be monitored.
@@ -283,6 +206,8 @@ class SpeakerSamplesCallback(Callback):
         values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=False)
         if values is None:
             return
+        if values is FAILED:  # NaN: the checkpoint monitor's worst, not a missing key that would stop the run
+            values = {key: float("nan") for key in METRICS if key != "speaker_similarity" or scoring}
         for key, name in METRICS.items():
             value = values.get(key)
             if value is not None:
@@ -311,7 +236,7 @@ class SpeakerSamplesCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loggers: list, scoring: bool, *, baseline: bool
     ) -> dict[str, float | None] | None:
         """Collective on all ranks: rank 0 generates, logs and scores; every rank returns rank 0's
-        metric values (None when nothing was sampled)."""
+        metric values (None when nothing was sampled, `FAILED` when it failed anywhere)."""
         values: dict[str, float | None] | None = None
         error: BaseException | None = None
         generated = None
@@ -320,13 +245,13 @@ class SpeakerSamplesCallback(Callback):
         try:  # building rank 0's copy can fail too (out of memory): it must reach the broadcast as well
             with generation_model(trainer, pl_module) as model:
                 if model is not None:
-                    with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
+                    with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
                         generated = self._generate(trainer, pl_module, model)
         except Exception as exc:  # raised on every rank below, after the broadcast
             error = exc
         if generated is not None:  # rank 0, the generation copy freed
             try:
-                with torch.random.fork_rng(devices=_cuda_devices(pl_module.device)):
+                with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
                     values = self._log_and_score(trainer, pl_module, generated, loggers, scoring, baseline=baseline)
             except Exception as exc:
                 error = exc
@@ -334,16 +259,25 @@ class SpeakerSamplesCallback(Callback):
             {"values": values, "error": None if error is None else f"{type(error).__name__}: {error}"},
             src=0,
         )
-        if error is not None:
-            raise error
-        if shared["error"] is not None:
-            raise RuntimeError(f"SpeakerSamplesCallback failed on rank 0: {shared['error']}")
-        return cast("dict[str, float | None] | None", shared["values"])  # rank 0's, broadcast
+        failure = shared["error"] or (None if error is None else f"{type(error).__name__}: {error}")
+        if failure is None:
+            return cast("dict[str, float | None] | None", shared["values"])  # rank 0's, broadcast
+        if self.on_error == "raise":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"SpeakerSamplesCallback failed on rank 0: {failure}")
+        what = "the zero-shot baseline" if baseline else f"samples at step {trainer.global_step}"
+        self._warn_once(
+            f"failed: {failure}",
+            f"SpeakerSamplesCallback: {what} failed ({failure}); skipped, training goes on "
+            "(on_error: raise makes this stop the run)",
+        )
+        return FAILED
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
         """(rows, codes) for every (speaker, text), or None when no speaker has an embedding yet."""
-        speakers, embeddings = self._speaker_rows(trainer, pl_module)
+        speakers, embeddings = self.facts.speaker_rows(trainer, pl_module)
         if not speakers:
             return None
         text_tokenizer = self._text_tokenizer(pl_module)
@@ -351,9 +285,9 @@ class SpeakerSamplesCallback(Callback):
 
         rows = [(s, i) for s in speakers for i in range(len(self.texts))]
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
-        languages = [self._language(trainer, s) for s, _ in rows]
+        languages = [self.facts.language_of(trainer, s) for s, _ in rows]
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
-        limits = [self._frame_limit(trainer, s, self.texts[i]) for s, i in rows]
+        limits = [self.facts.frame_limit(trainer, s, self.texts[i]) for s, i in rows]
         modes = {m: m.training for m in model.modules()}
         model.eval()
         try:
@@ -425,7 +359,7 @@ class SpeakerSamplesCallback(Callback):
 
         ratios = []
         for (speaker, i), wav in zip(rows, wavs):
-            pace = self._pace(trainer, speaker)
+            pace = self.facts.pace(trainer, speaker)
             if pace is None or wav.size == 0 or not np.abs(wav).max() > 0:
                 continue
             ratios.append(speaking_rate_ratio(wav, self.texts[i], SAMPLE_RATE, pace))
@@ -439,7 +373,7 @@ class SpeakerSamplesCallback(Callback):
         overall = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
         for speaker in dict.fromkeys(s for s, _ in rows):
             generated = [w for (s, _), w in zip(rows, wavs) if s == speaker and w.size and np.abs(w).max() > 0]
-            reference = self._reference_embedding(trainer, speaker)
+            reference = self.facts.reference_embedding(trainer, speaker)
             if reference is None or not generated:
                 continue
             one = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
@@ -494,120 +428,3 @@ class SpeakerSamplesCallback(Callback):
 
             self._speech = load_speech_tokenizer(check_pretrained(pl_module.hparams["pretrained"]), device="cpu")
         return self._speech
-
-    def _prepared_index(self, trainer: pl.Trainer) -> dict | None:
-        """The data module's ``prepared.json`` (speakers, their reference clips, clip languages)."""
-        if self._index is None:
-            read_index = getattr(getattr(trainer, "datamodule", None), "read_index", None)
-            if read_index is None:
-                return None
-            try:
-                self._index = read_index()
-            except (OSError, RuntimeError, ValueError) as exc:
-                self._warn_once("index", f"SpeakerSamplesCallback cannot read the prepared index: {exc}")
-                return None
-        return self._index
-
-    def _speaker_rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[list[str], Tensor]:
-        """The speakers to sample and their fp32 embeddings: the model's buffer (what the run trains
-        and exports with), rows not filled there yet taken from the data module's table."""
-        names = list(getattr(pl_module, "speakers", []) or [])
-        table = cast(Tensor, pl_module.speaker_embeddings).detach().float().cpu().clone()
-        datamodule = getattr(trainer, "datamodule", None)
-        missing = [i for i in range(len(names)) if not bool(table[i].abs().sum() > 0)]
-        if missing and datamodule is not None and list(getattr(datamodule, "speaker_names", [])) == names:
-            try:
-                source = datamodule.speaker_embeddings().float().cpu()
-                for i in missing:
-                    table[i] = source[i]
-            except RuntimeError:
-                pass
-        wanted = names if self.speakers is None else [s for s in self.speakers if s in names]
-        if self.speakers is not None and len(wanted) != len(self.speakers):
-            self._warn_once(
-                "unknown",
-                f"SpeakerSamplesCallback: speakers {sorted(set(self.speakers) - set(names))} "
-                f"are not in this run ({names})",
-            )
-        keep = [s for s in wanted if bool(table[names.index(s)].abs().sum() > 0)]
-        if len(keep) != len(wanted):
-            self._warn_once(
-                "empty", f"SpeakerSamplesCallback: no embedding yet for {sorted(set(wanted) - set(keep))}; not sampled"
-            )
-        return keep, torch.stack([table[names.index(s)] for s in keep]) if keep else table[:0]
-
-    def _language(self, trainer: pl.Trainer, speaker: str) -> str:
-        if self.language:
-            return self.language
-        index = self._prepared_index(trainer)
-        if index is None:
-            return "auto"
-        from tts_lightning.data.predict import speaker_languages
-
-        return speaker_languages(index).get(speaker, "auto")
-
-    def _reference_embedding(self, trainer: pl.Trainer, speaker: str) -> Tensor | None:
-        if speaker not in self._references:
-            index = self._prepared_index(trainer)
-            entry = next((s for s in (index or {}).get("speakers", []) if s.get("name") == speaker), None)
-            if not entry or not entry.get("references"):
-                self._warn_once(
-                    f"refs-{speaker}",
-                    f"SpeakerSamplesCallback: no reference clips for {speaker!r} "
-                    "(trainer.datamodule.read_index() gives none); not scored",
-                )
-                return None
-            from tts_lightning.data.audio import load_audio
-            from tts_lightning.metrics.speaker_similarity import reference_embedding
-
-            clips = [load_audio(path, SAMPLE_RATE) for path in entry["references"]]
-            self._references[speaker] = reference_embedding(clips, SAMPLE_RATE)
-        return self._references[speaker]
-
-    def _pace(self, trainer: pl.Trainer, speaker: str) -> float | None:
-        """The speaker's seconds of speech per character on its real clips (its reference and
-        validation clips, else its first clips; at most `PACE_CLIPS`), None without a prepared index."""
-        if speaker not in self._paces:
-            index = self._prepared_index(trainer) or {}
-            entry = next((s for s in index.get("speakers", []) if s.get("name") == speaker), None) or {}
-            refs = set(entry.get("references") or [])
-            own = [c for c in index.get("clips", []) if c.get("speaker") == speaker and c.get("text")]
-            chosen = ([c for c in own if c["audio"] in refs or c.get("split") == "val"] or own)[:PACE_CLIPS]
-            pace = None
-            if chosen:
-                from tts_lightning.data.audio import load_audio
-                from tts_lightning.metrics.speech import seconds_per_character
-
-                try:
-                    pace = (
-                        seconds_per_character(
-                            [load_audio(c["audio"], SAMPLE_RATE).numpy() for c in chosen],
-                            [c["text"] for c in chosen],
-                            SAMPLE_RATE,
-                        )
-                        or None
-                    )
-                except (OSError, ValueError, RuntimeError) as exc:
-                    self._warn_once(
-                        f"pace-{speaker}",
-                        f"SpeakerSamplesCallback: cannot measure {speaker!r}'s pace "
-                        f"({exc}); its samples are capped by max_new_tokens only",
-                    )
-            self._paces[speaker] = pace
-        return self._paces[speaker]
-
-    def _frame_limit(self, trainer: pl.Trainer, speaker: str, text: str) -> int:
-        """Frames a sample may take before it counts as not ending: from the text and the speaker's
-        pace, at most ``max_new_tokens``."""
-        from tts_lightning.metrics.speech import frame_limit
-
-        pace = self._pace(trainer, speaker)
-        if pace is None:
-            return self.max_new_tokens
-        return frame_limit(text, pace, factor=self.limit_factor, max_frames=self.max_new_tokens)
-
-
-def _cuda_devices(device: torch.device) -> list[int]:
-    if device.type == "cuda":
-        return [device.index if device.index is not None else torch.cuda.current_device()]
-    return []

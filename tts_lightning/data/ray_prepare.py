@@ -55,6 +55,16 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])  # <root>/tts_lightning/data/ray_prepare.py
 
 
+def actor_device(device: str | None) -> tuple[float, str | None]:
+    """(GPUs each encoding actor asks Ray for, the device it encodes on) for the prepare device:
+    a CUDA device becomes one GPU per actor, which Ray makes the actor's only visible one
+    (``cuda``); without asking, every actor's speech tokenizer landed on GPU 0 (older Ray: on the
+    CPU, silently). Checked on a GPU by benchmarks/gpu_check.sh."""
+    if device is not None and str(device).startswith("cuda"):
+        return 1.0, "cuda"
+    return 0.0, device
+
+
 def encode_with_ray(
     cache: CodecCache,
     clips: list[AcceptedClip],
@@ -62,7 +72,6 @@ def encode_with_ray(
     num_workers: int,
     batch_size: int = 8,
     address: str = "local",
-    num_gpus_per_worker: float = 0.0,
 ) -> int:
     """Encode the codes of ``clips`` not cached yet on ``num_workers`` Ray actors; return how many
     were encoded. Starts a local Ray instance (``address="local"``) or joins ``address``, and shuts
@@ -106,6 +115,13 @@ def encode_with_ray(
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         dataset = ray.data.from_items(rows, override_num_blocks=min(len(rows), num_workers * 4))
+        gpus, device = actor_device(None if cache.device is None else str(cache.device))
+        # GPU actors as the cluster's GPUs allow (a fixed pool would wait for all of them).
+        pool = (
+            ray.data.ActorPoolStrategy(min_size=1, max_size=num_workers)
+            if gpus
+            else ray.data.ActorPoolStrategy(size=num_workers)
+        )
         encoded = dataset.map_batches(
             _Encoder,
             fn_constructor_kwargs={
@@ -113,13 +129,13 @@ def encode_with_ray(
                 "pretrained": str(cache.info.path),
                 "normalize": cache.normalize,
                 "trim_silence": cache.trim_silence,
-                "device": None if cache.device is None else str(cache.device),
+                "device": device,
                 "batch_size": batch_size,
             },
             batch_size=batch_size,
-            compute=ray.data.ActorPoolStrategy(size=num_workers),
+            compute=pool,
             num_cpus=1,
-            num_gpus=num_gpus_per_worker,
+            num_gpus=gpus,
         )
         return int(cast(int, encoded.sum("encoded")) or 0)  # one column: a number (None when empty)
     finally:

@@ -1,0 +1,89 @@
+"""What sampling during training generates and decodes with: a plain copy of the model in the compute
+dtype on rank 0 (gathered from the shards by every rank), and the speech tokenizer on the GPU only
+while it decodes.
+
+Under FSDP (either strategy, any sharding, one rank or many) every rank takes part in gathering
+the full state into rank 0's host memory one unit (FSDP1) or parameter (FSDP2) at a time; rank 0
+copies it into a fresh model in the run's compute dtype (bf16 under bf16-mixed: 3.6 GiB for the
+1.7B, never the 7.2 GiB fp32 model) on its device, releases the host copy, and generates with no
+collective inside generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import cast
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+
+@contextlib.contextmanager
+def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[nn.Module | None]:
+    """Collective on all ranks: a plain model to generate with on global rank 0, None elsewhere.
+
+    Under FSDP (either strategy, any sharding, one rank or many) every rank takes part in gathering
+    the full state into rank 0's *host* memory one unit (FSDP1) or parameter (FSDP2) at a time
+    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); rank 0 copies it into a
+    fresh model in the run's compute dtype (bf16 under bf16-mixed) on its device and the host copy
+    is released before generation starts: the GPU holds the copy (2 bytes per parameter) only
+    while sampling, never a second fp32 model. Generation then issues no collective at all.
+    Without FSDP the module's own model is used, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from tts_lightning.model.generation import compute_dtype
+    from tts_lightning.model.loading import copy_model
+
+    plain = pl_module.model
+    assert isinstance(plain, nn.Module)
+    root = trainer.strategy.model
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if isinstance(root, FSDPModule):  # FSDP2: the parameters are DTensor shards
+        policy = getattr(trainer.strategy, "mixed_precision_policy", None)
+        dtype = getattr(policy, "param_dtype", None) or compute_dtype(plain)
+        state = get_model_state_dict(plain, options=options)
+    elif isinstance(root, FullyShardedDataParallel):
+        # From the FSDP root (the LightningModule): its own unit holds parameters of the model too.
+        # Keys are the LightningModule's ("model.talker..."); NO_SHARD (one rank) works the same.
+        dtype = compute_dtype(plain)
+        prefix = "model."
+        state = {
+            k[len(prefix) :]: v for k, v in get_model_state_dict(root, options=options).items() if k.startswith(prefix)
+        }
+    else:
+        yield plain if trainer.is_global_zero else None
+        return
+    tensors = cast("dict[str, Tensor]", state)  # parameters and buffers only: all tensors
+    model = copy_model(plain, dtype=dtype, device=pl_module.device, state=tensors) if trainer.is_global_zero else None
+    del state, tensors
+    try:
+        yield model
+    finally:
+        del model
+        if pl_module.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def speech_tokenizer_on(tokenizer, device: torch.device) -> Iterator[None]:
+    """Keep the speech tokenizer in host memory except while it decodes on ``device``."""
+    if device.type == "cpu":
+        yield
+        return
+    tokenizer.model.to(device)
+    tokenizer.device = device
+    try:
+        yield
+    finally:
+        tokenizer.model.to("cpu")
+        tokenizer.device = torch.device("cpu")
+        torch.cuda.empty_cache()
+
+
+def cuda_devices(device: torch.device) -> list[int]:
+    if device.type == "cuda":
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    return []
