@@ -17,6 +17,7 @@ and ~1 GiB of imports per process (in the baseline).
 
     PYTHONPATH=. python benchmarks/phase_memory.py                                     # ~10 min, ~20 GiB
     PYTHONPATH=. python benchmarks/phase_memory.py --config configs/tiny-cpu-fsdp2.yaml  # FSDP2
+    PYTHONPATH=. python benchmarks/phase_memory.py --size 1.7b --validate                # 1.7B validate
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
 
-def fit(args: list[str], work: Path) -> None:
+def command(args: list[str], work: Path, name: str = "fit") -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # glibc's allocator as users run it (not the Makefile's test settings)
         "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'benchmarks'}",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    proc = subprocess.run([sys.executable, "-m", "tts_lightning", "fit", *args], cwd=REPO, env=env, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tts_lightning", name, *args], cwd=REPO, env=env, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"fit failed ({proc.returncode}); its output is above")
+        raise SystemExit(f"{name} failed ({proc.returncode}); its output is above")
 
 
 def phases(folder: Path) -> tuple[dict[str, int], dict[str, int]]:
@@ -60,6 +61,7 @@ def main() -> int:
     parser.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"))
     parser.add_argument("--frames", type=int, default=60, help="data.max_frames_per_batch")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench" / "phases")
+    parser.add_argument("--validate", action="store_true", help="only `validate` the pretrained weights")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     from released_dir import build_released_dir
@@ -92,8 +94,15 @@ def main() -> int:
         str(args.work / "run"),
         "--trainer.callbacks+=memory_probe.PhaseMemory",
     ]
-    fit([*common, "--trainer.callbacks.out_dir", str(args.work / "fit"), "--trainer.max_steps", "2"], args.work)
-    fit(
+    if args.validate:
+        command([*common, "--trainer.callbacks.out_dir", str(args.work / "validate")], args.work, "validate")
+        total, above = phases(args.work / "validate")
+        print(f"\nvalidate, {args.size}, {args.config}, 2 ranks (RSS in GiB, summed over ranks)")
+        for name in total:
+            print(f"{name:20}{total[name] / GiB:10.2f}{above[name] / GiB:16.2f}")
+        return 0
+    command([*common, "--trainer.callbacks.out_dir", str(args.work / "fit"), "--trainer.max_steps", "2"], args.work)
+    command(
         [*common, "--trainer.callbacks.out_dir", str(args.work / "resume"), "--trainer.max_steps", "3"]
         + ["--ckpt_path", "last"],
         args.work,

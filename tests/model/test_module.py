@@ -135,3 +135,28 @@ def test_settings_are_the_hparams(tiny_dir):
     # The default freeze list is copied, not shared between modules.
     module.freeze_patterns.append("talker.codec_head")
     assert Qwen3TTSModule(str(tiny_dir), speakers=["alice"]).freeze_patterns == ["speaker_encoder"]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_learning_rate_warms_up_then_holds_or_decays_to_zero(tiny_dir, schedule):
+    """Linear warm-up from 0 over `warmup_steps` optimizer steps, then the peak (constant) or a cosine
+    that reaches 0 at the trainer's last step."""
+    import lightning as L
+
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice"], learning_rate=1e-3, warmup_steps=4, lr_schedule=schedule)
+    module.configure_model()
+    module.trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(20):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:5] == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    if schedule == "constant":
+        assert rates[4:] == pytest.approx([1e-3] * 16)
+    else:
+        assert all(a > b for a, b in zip(rates[4:], rates[5:]))  # decaying
+        assert rates[12] == pytest.approx(5e-4)  # half-way through the decay
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # at the last step

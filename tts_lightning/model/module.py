@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,8 +51,9 @@ class Qwen3TTSModule(L.LightningModule):
         learning_rate: peak AdamW learning rate. Low rates keep the base model's speaker
             similarity; watch ``val/speaker_similarity`` to pick a checkpoint.
         weight_decay: AdamW decoupled weight decay.
-        warmup_steps: linear warm-up, in optimizer steps.
-        lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to zero at the last step.
+        warmup_steps: linear warm-up from 0, in optimizer steps.
+        lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to zero at the last step
+            (transformers' ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``).
         sub_talker_loss_weight: weight of the code-predictor loss (0.3 as upstream).
         freeze: parameter-name patterns kept fixed (module prefixes or globs), e.g.
             ``talker.model.text_embedding`` to save the memory of its gradient and optimizer state.
@@ -375,17 +375,12 @@ class Qwen3TTSModule(L.LightningModule):
         optimizer = torch.optim.AdamW(
             params, lr=self.learning_rate, weight_decay=self.weight_decay, fused=fused or None
         )
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = self.warmup_steps
-        cosine = self.lr_schedule == "cosine"
+        # Hugging Face's schedules: linear warm-up from 0, then constant or cosine to 0 at the last step.
+        from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if not cosine:
-                return 1.0
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        if self.lr_schedule == "cosine":
+            total = max(int(self.trainer.estimated_stepping_batches), 1)
+            scheduler = get_cosine_schedule_with_warmup(optimizer, self.warmup_steps, total)
+        else:
+            scheduler = get_constant_schedule_with_warmup(optimizer, self.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
