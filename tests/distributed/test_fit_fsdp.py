@@ -28,7 +28,7 @@ STEPS, EVERY, CRASH = REFERENCE_STEPS, REFERENCE_EVERY, 6
 # intended change, run this module with TTS_PRINT_GOLDEN=1 and `-s`, check that the change explains
 # the difference, and paste the printed values. Keys are the event file's steps (the optimizer step - 1).
 # Regenerated when the schedule became transformers' (its warm-up starts at lr 0, so the first step
-# does not move the weights: every loss after it is a step behind the hand-written schedule's).
+# does not move the weights, and the warm-up rates are lower than the hand-written schedule's).
 GOLDEN_TRAIN_LOSS = {4: 8.550979614257812}  # train/loss_step, step 5 (logged every 5 steps)
 GOLDEN_VAL_LOSS = {3: 8.694840431213379, 7: 7.801898002624512}  # val/loss at steps 4 and 8
 
