@@ -68,6 +68,8 @@ def overrides(config: Path, workdir: Path, tiny_dir: Path, run: Path) -> list:
     ]
     if (_raw(config).get("trainer") or {}).get("val_check_interval"):  # a step interval: validate at the last step
         args += ["--trainer.val_check_interval", STEPS]
+    else:  # per epoch (an epoch of the demo clips is a step or two here): validate and sample once
+        args += ["--trainer.check_val_every_n_epoch", STEPS]
     if _has_samples(config):
         args += ["--trainer.callbacks.max_new_tokens", 6]
     return args
