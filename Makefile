@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 # glibc hands every freed block over 32 MiB back to the kernel (munmap) and faults the pages in
 # again on the next step; the models' activations are such blocks, so 15-20% of prepare's time went
 # to page faults. These keep blocks up to 256 MiB in the heap and trim it past 512 MiB (glibc 2.36):
-# prepare 10-20% faster, the suite 1094 s against 1128-1164 s (benchmarks/cpu_allocator.py; README).
+# prepare 10-20% faster, the suite 1094 s against 1128-1164 s (benchmarks/cpu_allocator.py; docs/benchmarks.md).
 CPU_ENV := OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912
 
 # The last step imports librosa's feature functions once: numba compiles librosa's kernels (~30 s on
