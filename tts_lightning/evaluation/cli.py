@@ -11,7 +11,7 @@ def _prepared_from_config(config: Path) -> Path:
     import yaml
 
     from tts_lightning.data.prepare import default_cache_dir
-    from tts_lightning.evaluation.evaluate import EvaluationError
+    from tts_lightning.evaluation.inputs import EvaluationError
 
     if not config.is_file():
         raise EvaluationError(f"config {config} does not exist")

@@ -16,121 +16,47 @@ else the speaker's other clips): speaker similarity (resemblyzer), speaking-rate
 speech per character over the real clips'), end-of-speech failure (no ``codec_eos`` within a limit
 set from the text's length and the speaker's pace), duration and real-time factor. The result is
 ``evaluation.json``, ``evaluation.md`` (the table with verdicts) and the audio under ``audio/``.
+What is compared (the models, the data, the speakers and their texts) is found by
+`tts_lightning.evaluation.inputs`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from tts_lightning.errors import UserError
+from tts_lightning.evaluation.inputs import (
+    SAMPLE_RATE,
+    Dtype,
+    EvaluationError,
+    SpeakerPlan,
+    choose_speakers,
+    load_real_clips,
+    plan_speakers,
+    read_prepared,
+    resolve_base,
+    resolve_model,
+)
 from tts_lightning.metrics.speech import (
     DEFAULT_LIMIT_FACTOR,
     frame_limit,
     hit_frame_limit,
     max_new_tokens_for,
-    seconds_per_character,
     speaking_rate_ratio,
     speech_seconds,
-    text_characters,
 )
 
-SAMPLE_RATE = 24_000
-DEFAULT_TEXTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Please call me back when you get this message.",
-    "It was a bright cold day in April, and the clocks were striking thirteen.",
-    "We will meet at the station at half past nine tomorrow morning.",
-)
 SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
-Dtype = Literal["bf16", "fp16", "fp32"]
-
-
-class EvaluationError(UserError, ValueError):
-    """The inputs of an evaluation are missing, of the wrong kind or do not match each other."""
-
-
-@dataclass
-class SpeakerPlan:
-    name: str
-    language: str
-    reference: Path  # the clip the base model clones from
-    reference_text: str | None  # its transcript (ICL); None when the index does not have it
-    real_clips: list[tuple[Path, str]]  # (audio, transcript) the generations are scored against
-    held_out: bool  # real_clips are validation clips (not trained on)
-    texts: list[str]
-
-
-def read_prepared(path: str | os.PathLike) -> tuple[Path, dict]:
-    """``prepared.json`` (the file, or the cache folder holding it) as the data module wrote it."""
-    path = Path(path).expanduser()
-    file = path / "prepared.json" if path.is_dir() else path
-    if not file.is_file():
-        raise EvaluationError(
-            f"no prepared data index at {file}: run `tts-lightning prepare --config ...` for the run's data "
-            "first, or pass its cache folder (data.cache_dir)"
-        )
-    try:
-        index = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise EvaluationError(f"{file} is not valid JSON ({exc})") from exc
-    if not isinstance(index, dict) or "speakers" not in index or "clips" not in index:
-        raise EvaluationError(f"{file} is not a tts-lightning prepared index (no speakers / clips)")
-    return file, index
-
-
-def plan_speakers(
-    index: dict, speakers: Sequence[str], *, texts: Sequence[str] | None = None, max_texts: int = 4
-) -> list[SpeakerPlan]:
-    """What each speaker says and what it is compared with, from the prepared index."""
-    from tts_lightning.data.predict import speaker_languages
-
-    languages = speaker_languages(index)
-    by_path = {str(c["audio"]): c for c in index["clips"]}
-    entries = {s["name"]: s for s in index["speakers"]}
-    plans = []
-    for name in speakers:
-        entry = entries[name]
-        clips = [c for c in index["clips"] if c["speaker"] == name]
-        references = [Path(r) for r in entry.get("references") or []]
-        if not references:
-            raise EvaluationError(f"speaker {name!r} has no reference clip in the prepared index")
-        reference = references[0]
-        ref_clip = by_path.get(str(reference))
-        val = [c for c in clips if c.get("split") == "val"]
-        ref_paths = {str(r) for r in references}
-        real = val or [c for c in clips if str(c["audio"]) not in ref_paths] or clips
-        if texts:
-            chosen = list(texts)
-            empty = [t for t in chosen if not text_characters(t)]
-            if empty:
-                raise EvaluationError(f"texts without letters or digits cannot be judged: {empty}")
-        else:
-            chosen = [c["text"] for c in val] or list(DEFAULT_TEXTS)
-        plans.append(
-            SpeakerPlan(
-                name=name,
-                language=languages.get(name, "auto"),
-                reference=reference,
-                reference_text=None if ref_clip is None else ref_clip["text"],
-                real_clips=[(Path(c["audio"]), c["text"]) for c in real],
-                held_out=bool(val),
-                texts=chosen[:max_texts],
-            )
-        )
-    return plans
 
 
 def _record_frames(tts) -> list[int]:
@@ -233,42 +159,6 @@ def _generate_system(
     return out
 
 
-def _resolve_model(
-    model: str | os.PathLike, workdir: Path, *, base: str | os.PathLike | None, dtype: Dtype, trust_checkpoint: bool
-) -> tuple[Path, str, str | None]:
-    """(a custom_voice directory, what it is, the base the checkpoint names)."""
-    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
-    from tts_lightning.model.pretrained import PretrainedError, check_pretrained
-
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise EvaluationError(
-            f"model {path} does not exist: give an exported directory (`tts-lightning export`) "
-            "or a training checkpoint (a .ckpt file or a sharded checkpoint folder)"
-        )
-    if path.is_dir() and (path / "config.json").is_file():
-        try:
-            info = check_pretrained(path)
-        except PretrainedError as exc:
-            raise EvaluationError(str(exc)) from exc
-        if info.tts_model_type != "custom_voice":
-            raise EvaluationError(
-                f"{path} is a {info.tts_model_type!r} model; the fine-tuned model must be a "
-                "custom_voice directory (`tts-lightning export`) or a training checkpoint"
-            )
-        return info.path, "exported directory", None
-    from tts_lightning.model.export import ExportError, export_custom_voice
-
-    try:
-        named_base = CheckpointReader(path, trust=trust_checkpoint).hyper_parameters.get("pretrained")
-        out = export_custom_voice(
-            path, workdir / "fine_tuned", dtype=dtype, pretrained=base, trust_checkpoint=trust_checkpoint
-        )
-    except (CheckpointError, ExportError, PretrainedError) as exc:
-        raise EvaluationError(str(exc)) from exc
-    return out, "training checkpoint", None if named_base is None else str(named_base)
-
-
 def evaluate(
     model: str | os.PathLike,
     prepared: str | os.PathLike,
@@ -288,93 +178,41 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
     return the result (what the JSON holds)."""
-    from tts_lightning.evaluation.report import comparisons, markdown_table, summarize
-    from tts_lightning.files import WriteError, atomic_write, atomic_write_json, storage_error
-    from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding, similarity_unavailable
-    from tts_lightning.model.pretrained import PretrainedError, check_pretrained
-
-    if num_samples < 1:
-        raise EvaluationError(f"num_samples must be >= 1, got {num_samples}")
-    if max_texts < 1:
-        raise EvaluationError(f"max_texts must be >= 1, got {max_texts}")
-    reason = similarity_unavailable()
-    if reason is not None:
-        raise EvaluationError(f"speaker similarity is needed: {reason}")
+    _check_settings(num_samples=num_samples, max_texts=max_texts)
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     index_file, index = read_prepared(prepared)
     out = Path(out).expanduser()
+    workdir = _make_workdir(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
-    except OSError as exc:  # a full disk or a folder that cannot be written: one message
-        cause = storage_error(exc)
-        if cause is None:
-            raise
-        raise WriteError(out, cause) from exc
-    try:
-        model_dir, model_kind, named_base = _resolve_model(
+        model_dir, model_kind, named_base = resolve_model(
             model, workdir, base=base, dtype=dtype, trust_checkpoint=trust_checkpoint
         )
-        base = base if base is not None else named_base
-        if base is None:
-            raise EvaluationError(
-                "give --base: the base model the fine-tuned one started from (an exported directory does not name it)"
-            )
-        try:
-            base_info = check_pretrained(base, require_type="base")
-        except PretrainedError as exc:
-            raise EvaluationError(f"base model: {exc}") from exc
-        model_speakers = set(check_pretrained(model_dir).speakers)
-        data_speakers = [s["name"] for s in index["speakers"]]
-        available = [s for s in data_speakers if s.lower() in model_speakers]
-        if speakers:
-            unknown = [s for s in speakers if s not in available]
-            if unknown:
-                raise EvaluationError(
-                    f"unknown speaker(s) {unknown}: the fine-tuned model and the data ({index_file}) share "
-                    f"{available or 'none'} (model: {sorted(model_speakers)}, data: {data_speakers})"
-                )
-            chosen = list(speakers)
-        else:
-            chosen = available
-            if not chosen:
-                raise EvaluationError(
-                    f"the fine-tuned model's speakers {sorted(model_speakers)} are not in the "
-                    f"data ({index_file}: {data_speakers})"
-                )
+        base_dir = resolve_base(base if base is not None else named_base)
+        chosen = choose_speakers(index, index_file, model_dir, speakers)
         plans = plan_speakers(index, chosen, texts=texts, max_texts=max_texts)
-
-        from tts_lightning.data.audio import load_audio
-
-        real_audio = {p.name: [load_audio(a, SAMPLE_RATE).numpy() for a, _ in p.real_clips] for p in plans}
-        paces = {
-            p.name: seconds_per_character(real_audio[p.name], [t for _, t in p.real_clips], SAMPLE_RATE) for p in plans
-        }
-
-        generated: dict[str, dict[str, list[dict]]] = {}
-        audio_dir = out / "audio"
-        common: dict[str, Any] = dict(
-            paces=paces, num_samples=num_samples, seed=seed, limit_factor=limit_factor, audio_dir=audio_dir
+        real_audio, paces = load_real_clips(plans)
+        generated = _generate_all(
+            model_dir,
+            base_dir,
+            plans,
+            icl=icl,
+            device=device,
+            torch_dtype=torch_dtype,
+            paces=paces,
+            num_samples=num_samples,
+            seed=seed,
+            limit_factor=limit_factor,
+            audio_dir=out / "audio",
         )
-        tts = _load(model_dir, device, torch_dtype)
-        generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
-        del tts
-        _free(device)
-        tts = _load(base_info.path, device, torch_dtype)
-        generated["zero_shot_xvector"] = _generate_system(tts, "zero_shot_xvector", plans, **common)
-        if icl:
-            generated["zero_shot_icl"] = _generate_system(tts, "zero_shot_icl", plans, **common)
-        del tts
-        _free(device)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     result: dict[str, Any] = {
         "model": str(model),
         "model_kind": model_kind,
-        "base": str(base_info.path),
+        "base": str(base_dir),
         "prepared": str(index_file),
         "settings": {
             "num_samples": num_samples,
@@ -387,42 +225,119 @@ def evaluate(
         "speakers": {},
     }
     for plan in plans:
-        reference = reference_embedding(real_audio[plan.name], SAMPLE_RATE)
-        systems: dict[str, list[dict]] = {}
-        for system, per_speaker in generated.items():
-            if plan.name not in per_speaker:
-                continue
-            gens = per_speaker[plan.name]
-            for g in gens:
-                wav = g.pop("_wav")
-                audible = wav.size > 0 and float(np.abs(wav).max()) > 0
-                g["similarity"] = (
-                    float(
-                        torch.nn.functional.cosine_similarity(embed_utterances([wav], SAMPLE_RATE)[0], reference, dim=0)
-                    )
-                    if audible
-                    else None
-                )
-                ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, paces[plan.name])
-                g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
-            systems[system] = gens
-        result["speakers"][plan.name] = {
-            "language": plan.language,
-            "reference": str(plan.reference),
-            "reference_text": plan.reference_text,
-            "real_clips": [str(a) for a, _ in plan.real_clips],
-            "real_clips_held_out": plan.held_out,
-            "seconds_per_character": paces[plan.name],
-            "texts": plan.texts,
-            "summary": {s: summarize(g) for s, g in systems.items()},
-            "comparison": comparisons(systems),
-            "generations": systems,
-        }
+        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name])
+        result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name])
+    _write_outputs(out, result)
+    return result
+
+
+def _check_settings(*, num_samples: int, max_texts: int) -> None:
+    """Refuse what cannot be evaluated before anything is read or loaded."""
+    from tts_lightning.metrics.speaker_similarity import similarity_unavailable
+
+    if num_samples < 1:
+        raise EvaluationError(f"num_samples must be >= 1, got {num_samples}")
+    if max_texts < 1:
+        raise EvaluationError(f"max_texts must be >= 1, got {max_texts}")
+    reason = similarity_unavailable()
+    if reason is not None:
+        raise EvaluationError(f"speaker similarity is needed: {reason}")
+
+
+def _make_workdir(out: Path) -> Path:
+    """``out`` made, and a temporary folder inside it (for a checkpoint's export)."""
+    from tts_lightning.files import WriteError, storage_error
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
+    except OSError as exc:  # a full disk or a folder that cannot be written: one message
+        cause = storage_error(exc)
+        if cause is None:
+            raise
+        raise WriteError(out, cause) from exc
+
+
+def _generate_all(
+    model_dir: Path,
+    base_dir: Path,
+    plans: list[SpeakerPlan],
+    *,
+    icl: bool,
+    device: str,
+    torch_dtype: torch.dtype,
+    **common: Any,
+) -> dict[str, dict[str, list[dict]]]:
+    """Every system's generations: the fine-tuned model's, then the base model's (x-vector, then
+    ICL when ``icl``), one model in memory at a time. ``common``: `_generate_system`'s settings."""
+    generated: dict[str, dict[str, list[dict]]] = {}
+    tts = _load(model_dir, device, torch_dtype)
+    generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
+    del tts
+    _free(device)
+    tts = _load(base_dir, device, torch_dtype)
+    generated["zero_shot_xvector"] = _generate_system(tts, "zero_shot_xvector", plans, **common)
+    if icl:
+        generated["zero_shot_icl"] = _generate_system(tts, "zero_shot_icl", plans, **common)
+    del tts
+    _free(device)
+    return generated
+
+
+def _score_speaker(
+    plan: SpeakerPlan, generated: dict[str, dict[str, list[dict]]], real_audio: list[np.ndarray], pace: float
+) -> dict[str, list[dict]]:
+    """One speaker's generations by system, each scored in place (speaker similarity to the real
+    clips, speaking-rate ratio; None for silence) and its audio dropped."""
+    from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding
+
+    reference = reference_embedding(real_audio, SAMPLE_RATE)
+    systems: dict[str, list[dict]] = {}
+    for system, per_speaker in generated.items():
+        if plan.name not in per_speaker:
+            continue
+        gens = per_speaker[plan.name]
+        for g in gens:
+            wav = g.pop("_wav")
+            audible = wav.size > 0 and float(np.abs(wav).max()) > 0
+            g["similarity"] = (
+                float(torch.nn.functional.cosine_similarity(embed_utterances([wav], SAMPLE_RATE)[0], reference, dim=0))
+                if audible
+                else None
+            )
+            ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, pace)
+            g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
+        systems[system] = gens
+    return systems
+
+
+def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float) -> dict[str, Any]:
+    """What ``evaluation.json`` holds for one speaker: its plan, each system's summary, the comparisons."""
+    from tts_lightning.evaluation.report import comparisons, summarize
+
+    return {
+        "language": plan.language,
+        "reference": str(plan.reference),
+        "reference_text": plan.reference_text,
+        "real_clips": [str(a) for a, _ in plan.real_clips],
+        "real_clips_held_out": plan.held_out,
+        "seconds_per_character": pace,
+        "texts": plan.texts,
+        "summary": {s: summarize(g) for s, g in systems.items()},
+        "comparison": comparisons(systems),
+        "generations": systems,
+    }
+
+
+def _write_outputs(out: Path, result: dict[str, Any]) -> None:
+    """``evaluation.json`` and ``evaluation.md`` (the table, also put in ``result["table"]``)."""
+    from tts_lightning.evaluation.report import markdown_table
+    from tts_lightning.files import atomic_write, atomic_write_json
+
     atomic_write_json(out / "evaluation.json", result)
     table = markdown_table(result)
     atomic_write(out / "evaluation.md", lambda fh: fh.write(table), binary=False)
     result["table"] = table
-    return result
 
 
 def _free(device: str) -> None:

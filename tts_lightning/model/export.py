@@ -26,7 +26,7 @@ import torch
 from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
-from tts_lightning.model.pretrained import check_pretrained
+from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -167,6 +167,32 @@ def export_custom_voice(
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    speakers, embeddings = _speaker_table(reader, ckpt)
+    info, config, new_ids = _custom_voice_config(reader, ckpt, pretrained, speakers, dtype)
+
+    target = DTYPES[dtype]
+    adapter = _adapter_settings(reader.hyper_parameters)
+    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+    keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
+    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+
+    with staged_directory(out) as tmp:
+        _copy_pretrained_files(info.path, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_weights(tmp, source, names, groups, target, speaker_rows=dict(zip(new_ids, embeddings)))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out
+
+
+def _speaker_table(reader: CheckpointReader, ckpt: str | os.PathLike) -> tuple[list[str], torch.Tensor]:
+    """The checkpoint's speakers (lower-cased, distinct) and their embeddings (one row each, none zero)."""
     hp = reader.hyper_parameters
     speakers = [str(s).lower() for s in hp.get("speakers") or []]
     if not speakers:
@@ -180,7 +206,19 @@ def export_custom_voice(
         raise CheckpointError(f"{ckpt}: speaker_embeddings has {embeddings.shape[0]} rows for {len(speakers)} speakers")
     if (embeddings.abs().sum(1) == 0).any():
         raise ExportError(f"{ckpt}: some speakers have no embedding yet (never seen in a step)")
-    source = pretrained or hp.get("pretrained")
+    return speakers, embeddings
+
+
+def _custom_voice_config(
+    reader: CheckpointReader,
+    ckpt: str | os.PathLike,
+    pretrained: str | os.PathLike | None,
+    speakers: list[str],
+    dtype: str,
+) -> tuple[PretrainedInfo, dict, list[int]]:
+    """The pretrained directory (``pretrained``, else the one the checkpoint names), the exported
+    ``config.json`` (a custom_voice model with the new speakers) and the speakers' codec ids."""
+    source = pretrained or reader.hyper_parameters.get("pretrained")
     if source is None:
         raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
     info = check_pretrained(source)
@@ -196,58 +234,58 @@ def export_custom_voice(
     talker["spk_id"] = {**(talker.get("spk_id") or {}), **dict(zip(speakers, new_ids))}
     talker["spk_is_dialect"] = {**(talker.get("spk_is_dialect") or {}), **{s: False for s in speakers}}
     config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
+    return info, config, new_ids
 
-    target = DTYPES[dtype]
-    adapter = _adapter_settings(hp)
-    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
-    keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
-    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
 
+def _copy_pretrained_files(pretrained: Path, tmp: Path) -> None:
+    """Everything of the pretrained directory but its weights and config (tokenizers, generation config, ...)."""
+    for item in pretrained.iterdir():
+        if (
+            item.name in WEIGHT_FILES
+            or item.name in ("config.json", "tiny_model.json")
+            or item.name.startswith("model-")
+        ):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, tmp / item.name)
+        else:
+            shutil.copy2(item, tmp / item.name)
+
+
+def _write_weights(
+    tmp: Path,
+    source: _CheckpointSource | _LoRASource,
+    names: list[str],
+    groups: list[list[str]],
+    target: torch.dtype,
+    *,
+    speaker_rows: dict[int, torch.Tensor],
+) -> None:
+    """The shards ``names`` (one per group of keys), one tensor read at a time, with the new
+    speakers' embeddings in their ``codec_embedding`` rows; the index when there are several."""
     from safetensors.torch import save_file
 
-    with staged_directory(out) as tmp:
-        for item in info.path.iterdir():
-            if (
-                item.name in WEIGHT_FILES
-                or item.name in ("config.json", "tiny_model.json")
-                or item.name.startswith("model-")
-            ):
-                continue
-            if item.is_dir():
-                shutil.copytree(item, tmp / item.name)
-            else:
-                shutil.copy2(item, tmp / item.name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        weight_map: dict[str, str] = {}
-        total = 0
-        for name, group in zip(names, groups):
-            shard: dict[str, torch.Tensor] = {}
-            for key in group:  # one tensor at a time, read straight into the target dtype
-                if key == CODEC_EMBEDDING:  # the new speakers' fp32 rows, then the cast
-                    value = source.read(key).float().clone()
-                    for row, embedding in zip(new_ids, embeddings):
-                        value[row] = embedding.float()
-                    value = value.to(target)
-                else:  # read straight into the target dtype (merged in fp32 first for LoRA)
-                    value = source.read(key, dtype=target)
-                value = value.contiguous()
-                shard[key[len("model.") :]] = value
-                total += value.numel() * value.element_size()
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-            del shard
-        if len(names) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    return out
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, group in zip(names, groups):
+        shard: dict[str, torch.Tensor] = {}
+        for key in group:  # one tensor at a time, read straight into the target dtype
+            if key == CODEC_EMBEDDING:  # the new speakers' fp32 rows, then the cast
+                value = source.read(key).float().clone()
+                for row, embedding in speaker_rows.items():
+                    value[row] = embedding.float()
+                value = value.to(target)
+            else:  # read straight into the target dtype (merged in fp32 first for LoRA)
+                value = source.read(key, dtype=target)
+            value = value.contiguous()
+            shard[key[len("model.") :]] = value
+            total += value.numel() * value.element_size()
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        del shard
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 ADAPTER_SPEAKERS = "speakers.json"

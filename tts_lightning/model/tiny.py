@@ -4,55 +4,29 @@ The directory has the released layout (model config + weights, generation config
 processor config, ``speech_tokenizer/``) and is built from the real ``qwen_tts`` classes, so every
 code path that opens ``Qwen/Qwen3-TTS-12Hz-1.7B-Base`` opens it the same way. Only the sizes differ:
 16 codebooks, 24 kHz and 1920 samples per frame are kept exactly; widths, depths and the codebook
-size are small.
+size are small. The weights are drawn by `tiny_weights`, the text tokenizer is trained by
+`tiny_tokenizer`; this module holds the configs and writes the directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
+from tts_lightning.model.tiny_tokenizer import TEXT_VOCAB_SIZE, build_text_tokenizer, special_id
+from tts_lightning.model.tiny_weights import _fan_in_init, _init_speech_tokenizer
 
 TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
 
 NUM_CODE_GROUPS = 16
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1920
-
-# Text side. Generation slices the chat template by position ([:3], [3:-5]), so "assistant" and
-# "\n" must each be one token; the specials are pinned at fixed ids after the learned vocabulary.
-TEXT_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tts_pad>",
-    "<tts_text_bos>",
-    "<tts_text_eod>",
-]
-TEXT_BPE_VOCAB = 400  # learned byte-level BPE entries, ids 0..399; specials follow
-TEXT_VOCAB_SIZE = 512
-
-_CORPUS = (
-    "<|im_start|>assistant\nThe quick brown fox jumps over the lazy dog.<|im_end|>\n"
-    "<|im_start|>user\nPlease read this sentence aloud, clearly and slowly.<|im_end|>\n"
-    "Hello world, this is a small voice. It speaks in short sentences and numbers 0 1 2 3 4 5 6 7 8 9. "
-    "Speech synthesis turns written text into sound; a speaker's voice has pitch, timbre and rhythm. "
-    "Training a model on a few minutes of clips can clone a voice, if the data are clean and varied. "
-)
-
-
-def _special_id(token: str) -> int:
-    return TEXT_BPE_VOCAB + TEXT_SPECIAL_TOKENS.index(token)
 
 
 def codec_special_ids(codebook_size: int) -> dict:
@@ -82,14 +56,44 @@ def tiny_configs(model_type: str = "base", codebook_size: int = 256) -> tuple[di
     """The model config and the speech-tokenizer config of the tiny directory, as plain dicts."""
     if model_type not in ("base", "custom_voice"):
         raise ValueError(f"model_type must be 'base' or 'custom_voice', got {model_type!r}")
-    hidden, text_hidden, cp_hidden = 64, 48, 32
+    hidden = 64
+    model = {
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "model_type": "qwen3_tts",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_size": "tiny",
+        "tts_model_type": model_type,
+        "im_start_token_id": special_id("<|im_start|>"),
+        "im_end_token_id": special_id("<|im_end|>"),
+        "tts_pad_token_id": special_id("<tts_pad>"),
+        "tts_bos_token_id": special_id("<tts_text_bos>"),
+        "tts_eos_token_id": special_id("<tts_text_eod>"),
+        "talker_config": _talker_config(model_type, codebook_size, hidden),
+        "speaker_encoder_config": {
+            "mel_dim": 128,
+            "enc_dim": hidden,  # the x-vector goes straight into the talker's speaker slot
+            "enc_channels": [32, 32, 32, 32, 96],
+            "enc_kernel_sizes": [5, 3, 3, 3, 1],
+            "enc_dilations": [1, 2, 3, 4, 1],
+            "enc_attention_channels": 16,
+            "enc_res2net_scale": 4,
+            "enc_se_channels": 16,
+            "sample_rate": SAMPLE_RATE,
+        },
+    }
+    return model, _speech_tokenizer_config(codebook_size)
+
+
+def _talker_config(model_type: str, codebook_size: int, hidden: int) -> dict:
+    """The talker (and its code predictor): the codec specials, small widths and depths."""
+    text_hidden, cp_hidden = 48, 32
     codec = codec_special_ids(codebook_size)
     spk_id, spk_is_dialect = {}, {}
     if model_type == "custom_voice":
         # Built-in speakers as a released CustomVoice model has them (ids below the specials' block).
         spk_id = {"vivian": codebook_size + 300, "ryan": codebook_size + 301}
         spk_is_dialect = {"vivian": False, "ryan": False}
-    talker = {
+    return {
         **codec,
         "hidden_size": hidden,
         "intermediate_size": 128,
@@ -117,33 +121,13 @@ def tiny_configs(model_type: str = "base", codebook_size: int = 256) -> tuple[di
             "num_code_groups": NUM_CODE_GROUPS,
         },
     }
-    model = {
-        "architectures": ["Qwen3TTSForConditionalGeneration"],
-        "model_type": "qwen3_tts",
-        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-        "tts_model_size": "tiny",
-        "tts_model_type": model_type,
-        "im_start_token_id": _special_id("<|im_start|>"),
-        "im_end_token_id": _special_id("<|im_end|>"),
-        "tts_pad_token_id": _special_id("<tts_pad>"),
-        "tts_bos_token_id": _special_id("<tts_text_bos>"),
-        "tts_eos_token_id": _special_id("<tts_text_eod>"),
-        "talker_config": talker,
-        "speaker_encoder_config": {
-            "mel_dim": 128,
-            "enc_dim": hidden,  # the x-vector goes straight into the talker's speaker slot
-            "enc_channels": [32, 32, 32, 32, 96],
-            "enc_kernel_sizes": [5, 3, 3, 3, 1],
-            "enc_dilations": [1, 2, 3, 4, 1],
-            "enc_attention_channels": 16,
-            "enc_res2net_scale": 4,
-            "enc_se_channels": 16,
-            "sample_rate": SAMPLE_RATE,
-        },
-    }
+
+
+def _speech_tokenizer_config(codebook_size: int) -> dict:
+    """The speech tokenizer: 16 codebooks at 24 kHz and 1920 samples per frame, as released."""
     # Encoder: Mimi at 24 kHz with a hop of 8*6*5*4 = 960 (25 Hz), halved to 12.5 Hz by the stride-2
     # downsample Mimi adds when frame_rate differs; decoder hop 2*2*8*5*4*3 = 1920.
-    speech = {
+    return {
         "architectures": ["Qwen3TTSTokenizerV2Model"],
         "model_type": "qwen3_tts_tokenizer_12hz",
         "encoder_valid_num_quantizers": NUM_CODE_GROUPS,
@@ -187,126 +171,6 @@ def tiny_configs(model_type: str = "base", codebook_size: int = 256) -> tuple[di
             "sliding_window": 72,
         },
     }
-    return model, speech
-
-
-def _fan_in_init(module: nn.Module, generator: torch.Generator) -> None:
-    """Redraw weights at unit fan-in scale. The default 0.02-std init makes every logit ~0 so that
-    every target costs ~log V and a misaligned loss is indistinguishable from an aligned one."""
-    for sub in module.modules():
-        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.ConvTranspose1d)):
-            w = sub.weight
-            fan_in = w.shape[1] * (w[0, 0].numel() if w.dim() > 2 else 1)
-            if isinstance(sub, nn.ConvTranspose1d):
-                fan_in = w.shape[0] * w[0, 0].numel()
-            with torch.no_grad():
-                w.copy_(torch.randn(w.shape, generator=generator) / math.sqrt(fan_in))
-                if sub.bias is not None:
-                    sub.bias.copy_(torch.randn(sub.bias.shape, generator=generator) * 0.02)
-        elif isinstance(sub, nn.Embedding):
-            with torch.no_grad():
-                sub.weight.copy_(torch.randn(sub.weight.shape, generator=generator))
-
-
-def _init_speech_tokenizer(model: nn.Module, generator: torch.Generator) -> None:
-    # Codebook sums start at zero (every code 0, silent audio): fill them and mark them used.
-    for name, sub in model.named_modules():
-        for attr in ("embed_sum", "embedding_sum"):
-            t = getattr(sub, attr, None)
-            if isinstance(t, torch.Tensor):
-                with torch.no_grad():
-                    t.copy_(torch.randn(t.shape, generator=generator))
-        usage = getattr(sub, "cluster_usage", None)
-        if isinstance(usage, torch.Tensor):
-            with torch.no_grad():
-                usage.fill_(1.0)
-        for attr in ("initialized",):
-            t = getattr(sub, attr, None)
-            if isinstance(t, torch.Tensor):
-                with torch.no_grad():
-                    t.fill_(1.0)
-    # A fan-in redraw of the decoder saturates its output; the final conv is scaled down so the
-    # decoded audio stays inside [-1, 1] without clipping most samples.
-    decoder: Any = model.decoder
-    last_conv = decoder.decoder[-1].conv
-    with torch.no_grad():
-        last_conv.weight.mul_(0.05)
-
-
-def _build_text_tokenizer(out: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    # Qwen2's own pre-tokenisation, so the files load as Qwen2TokenizerFast with the same splits.
-    split = pre_tokenizers.Split(
-        Regex(
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-        ),
-        behavior="isolated",
-    )
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_BPE_VOCAB,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-        min_frequency=1,
-    )
-    corpus = [_CORPUS] * 50 + ["assistant\n", "user\n"] * 200
-    tok.train_from_iterator(corpus, trainer=trainer)
-    model_dir = out / "_bpe"
-    model_dir.mkdir()
-    tok.model.save(str(model_dir))
-    vocab = json.loads((model_dir / "vocab.json").read_text())
-    merges = (model_dir / "merges.txt").read_text()
-    shutil.rmtree(model_dir)
-    if len(vocab) > TEXT_BPE_VOCAB:
-        raise RuntimeError(f"BPE vocabulary grew to {len(vocab)} > {TEXT_BPE_VOCAB}")
-    # Pad the learned vocabulary so that the specials sit at fixed ids.
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, sort_keys=True))
-    (out / "merges.txt").write_text(merges)
-    added = {
-        str(_special_id(t)): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in TEXT_SPECIAL_TOKENS
-    }
-    # Fill unused ids between the learned vocabulary and the specials with reserved tokens, so the
-    # added-token ids are honoured exactly.
-    for i in range(len(vocab), TEXT_BPE_VOCAB):
-        added[str(i)] = {
-            "content": f"<|reserved_{i}|>",
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    added = dict(sorted(added.items(), key=lambda kv: int(kv[0])))
-    tokenizer_config = {
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 4096,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2))
 
 
 def _generation_config() -> dict:
@@ -331,16 +195,18 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
+    model_cfg, speech_cfg = tiny_configs(model_type, codebook_size)
+    generator = torch.Generator().manual_seed(seed)  # the model's weights, then the speech tokenizer's
+    _write_model(out, model_cfg, seed, generator)
+    build_text_tokenizer(out)
+    _write_speech_tokenizer(out / "speech_tokenizer", speech_cfg, seed, generator)
+
+
+def _write_model(out: Path, model_cfg: dict, seed: int, generator: torch.Generator) -> None:
+    """The model's weights, ``config.json`` and ``generation_config.json``."""
     from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
-    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
-        Qwen3TTSTokenizerV2Config,
-    )
-    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
     from safetensors.torch import save_file
 
-    model_cfg, speech_cfg = tiny_configs(model_type, codebook_size)
-
-    generator = torch.Generator().manual_seed(seed)
     config = Qwen3TTSConfig(**{k: v for k, v in model_cfg.items() if k != "model_type"})
     config.architectures = model_cfg["architectures"]
     with torch.random.fork_rng(devices=[]):
@@ -357,9 +223,15 @@ def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
     _write_json(out / "config.json", cfg_dict)
     _write_json(out / "generation_config.json", _generation_config())
 
-    _build_text_tokenizer(out)
 
-    speech_dir = out / "speech_tokenizer"
+def _write_speech_tokenizer(speech_dir: Path, speech_cfg: dict, seed: int, generator: torch.Generator) -> None:
+    """``speech_tokenizer/``: its weights, ``config.json`` and ``preprocessor_config.json``."""
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
+        Qwen3TTSTokenizerV2Config,
+    )
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
+    from safetensors.torch import save_file
+
     speech_dir.mkdir()
     speech_config = Qwen3TTSTokenizerV2Config(**{k: v for k, v in speech_cfg.items() if k not in ("model_type",)})
     speech_config.architectures = speech_cfg["architectures"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from tts_lightning.cli import TTSLightningCLI, cli_main
@@ -96,17 +97,10 @@ def plan_from_config(
     groups and ``reshard_after_forward``), ``data.max_frames_per_batch`` and a
     `SpeakerSamplesCallback`. Plain ``ddp`` (or several devices with no strategy) is planned as
     NO_SHARD without checkpointing."""
-    from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT
-    from tts_lightning.model.pretrained import resolve_pretrained
-
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
     data, model_cfg, trainer = cfg.data, cfg.model, cfg.trainer
-    pretrained = str(_get(data, "pretrained") or _get(model_cfg, "pretrained") or "")
-    if not pretrained:
-        raise ValueError(f"{path}: no data.pretrained")
-    if pretrained == "tiny" and not os.path.isdir(pretrained):
-        pretrained = str(resolve_pretrained(pretrained))  # the embedded tiny model, as `fit` builds it
+    pretrained = _pretrained(path, data, model_cfg)
     n = gpus if gpus is not None else _devices(_get(trainer, "devices", "auto"), _get(trainer, "num_nodes", 1))
     if n is None:
         raise ValueError(f"{path}: trainer.devices is {_get(trainer, 'devices')!r}; pass the GPU count")
@@ -115,54 +109,13 @@ def plan_from_config(
         raise ValueError(
             f"{path}: trainer.precision {_get(trainer, 'precision')!r} is not planned (bf16-mixed or 32-true)"
         )
-    strategy = _get(trainer, "strategy", "auto")
-    layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
-    wrap: list[str] | None = None
-    groups: list[list[str]] | None = None
-    class_path = _get(strategy, "class_path")
-    if class_path:
-        args = _get(strategy, "init_args")
-        names = _class_names(str(class_path))
-        policy = _get(args, "activation_checkpointing_policy")
-        offload = bool(_get(args, "cpu_offload", False))
-        if "Qwen3TTSFSDP2Strategy" in names:
-            layout = "fsdp2"
-            sharding = "FULL_SHARD" if _get(args, "reshard_after_forward", True) else "SHARD_GRAD_OP"
-            ckpt = list(DEFAULT_CHECKPOINT) if policy is None else list(policy)
-            layers = _get(args, "layer_classes")
-            wrap = None if layers is None else list(layers)
-            raw_groups = _get(args, "groups")
-            groups = None if raw_groups is None else [list(g) for g in raw_groups]
-        else:
-            ours = "Qwen3TTSFSDPStrategy" in names
-            raw = _get(args, "sharding_strategy", "FULL_SHARD")
-            sharding = str(getattr(raw, "name", raw))
-            ckpt = list(DEFAULT_CHECKPOINT) if (policy is None and ours) else list(policy or [])
-            wrap_policy = _get(args, "auto_wrap_policy")
-            wrap = None if wrap_policy is None else list(wrap_policy)
-            if wrap is None and not ours:
-                wrap = []  # Lightning's FSDPStrategy without a policy: one unit, the root
-    elif str(strategy).lower().startswith("fsdp"):
-        sharding, offload, ckpt, wrap = "FULL_SHARD", False, [], []
-    else:  # ddp, auto, single device
-        sharding, offload, ckpt = "NO_SHARD", False, []
-    if sharding == "HYBRID_SHARD":
-        raise ValueError(f"{path}: HYBRID_SHARD is not planned (plan FULL_SHARD with the GPUs of one node)")
-    if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        raise ValueError(f"{path}: sharding_strategy {sharding!r} is not planned")
+    strategy = _strategy_layout(path, _get(trainer, "strategy", "auto"))
     freeze = _get(model_cfg, "freeze", list(DEFAULT_FREEZE))
     adapter = _get(model_cfg, "adapter")
     if adapter is not None and not isinstance(adapter, Mapping):
         adapter = adapter.as_dict() if hasattr(adapter, "as_dict") else vars(adapter)
     frames = _get(data, "max_frames_per_batch") or 2000
-    samples = next(
-        (
-            c
-            for c in _get(trainer, "callbacks") or []
-            if str(_get(c, "class_path", "")).endswith("SpeakerSamplesCallback")
-        ),
-        None,
-    )
+    samples = _samples_callback(trainer)
     sample_args = _get(samples, "init_args")
     texts = _get(sample_args, "texts") or (0, 0)
     speakers = _get(sample_args, "speakers") or (0, 0)  # default all of the run's speakers: planned as two
@@ -170,17 +123,105 @@ def plan_from_config(
         pretrained,
         gpus=n,
         gpu_memory_gb=gpu_memory_gb,
-        sharding=cast(Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], sharding),
+        sharding=strategy.sharding,
         precision=precision,
-        activation_checkpointing=ckpt,
-        cpu_offload=offload,
+        activation_checkpointing=strategy.checkpointing,
+        cpu_offload=strategy.offload,
         freeze=list(freeze or []),
         micro_batch_frames=int(frames),
-        auto_wrap_policy=wrap,
+        auto_wrap_policy=strategy.wrap,
         samples=samples is not None,
         sample_frames=int(_get(sample_args, "max_new_tokens", 240) or 240),
         sample_rows=len(texts) * max(1, len(speakers)),
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
-        layout=layout,
-        groups=groups,
+        layout=strategy.layout,
+        groups=strategy.groups,
+    )
+
+
+def _pretrained(path: str, data: Any, model_cfg: Any) -> str:
+    """The pretrained model the config trains (``data.pretrained``, else ``model.pretrained``); the
+    embedded ``tiny`` resolved to its directory, built as `fit` builds it."""
+    from tts_lightning.model.pretrained import resolve_pretrained
+
+    pretrained = str(_get(data, "pretrained") or _get(model_cfg, "pretrained") or "")
+    if not pretrained:
+        raise ValueError(f"{path}: no data.pretrained")
+    if pretrained == "tiny" and not os.path.isdir(pretrained):
+        pretrained = str(resolve_pretrained(pretrained))  # the embedded tiny model, as `fit` builds it
+    return pretrained
+
+
+@dataclass
+class _StrategyLayout:
+    """What the planner needs of ``trainer.strategy``."""
+
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    offload: bool
+    checkpointing: list[str]
+    wrap: list[str] | None = None  # None: the strategy's default units
+    layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
+    groups: list[list[str]] | None = None
+
+
+def _strategy_layout(path: str, strategy: Any) -> _StrategyLayout:
+    """``trainer.strategy`` as the planner sees it: a ``class_path`` (ours, FSDP1 or FSDP2, or
+    Lightning's FSDP) with its init_args, ``fsdp``, or anything else (planned as NO_SHARD)."""
+    class_path = _get(strategy, "class_path")
+    if class_path:
+        return _configured_strategy(path, str(class_path), _get(strategy, "init_args"))
+    if str(strategy).lower().startswith("fsdp"):
+        return _StrategyLayout("FULL_SHARD", offload=False, checkpointing=[], wrap=[])
+    return _StrategyLayout("NO_SHARD", offload=False, checkpointing=[])  # ddp, auto, single device
+
+
+def _configured_strategy(path: str, class_path: str, args: Any) -> _StrategyLayout:
+    """A strategy given by ``class_path`` and ``init_args``."""
+    from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT
+
+    names = _class_names(class_path)
+    policy = _get(args, "activation_checkpointing_policy")
+    offload = bool(_get(args, "cpu_offload", False))
+    if "Qwen3TTSFSDP2Strategy" in names:
+        sharding = "FULL_SHARD" if _get(args, "reshard_after_forward", True) else "SHARD_GRAD_OP"
+        ckpt = list(DEFAULT_CHECKPOINT) if policy is None else list(policy)
+        layers = _get(args, "layer_classes")
+        raw_groups = _get(args, "groups")
+        return _StrategyLayout(
+            _planned_sharding(path, sharding),
+            offload,
+            ckpt,
+            wrap=None if layers is None else list(layers),
+            layout="fsdp2",
+            groups=None if raw_groups is None else [list(g) for g in raw_groups],
+        )
+    ours = "Qwen3TTSFSDPStrategy" in names
+    raw = _get(args, "sharding_strategy", "FULL_SHARD")
+    sharding = str(getattr(raw, "name", raw))
+    ckpt = list(DEFAULT_CHECKPOINT) if (policy is None and ours) else list(policy or [])
+    wrap_policy = _get(args, "auto_wrap_policy")
+    wrap = None if wrap_policy is None else list(wrap_policy)
+    if wrap is None and not ours:
+        wrap = []  # Lightning's FSDPStrategy without a policy: one unit, the root
+    return _StrategyLayout(_planned_sharding(path, sharding), offload, ckpt, wrap)
+
+
+def _planned_sharding(path: str, sharding: str) -> Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]:
+    """``sharding``, if the planner plans it."""
+    if sharding == "HYBRID_SHARD":
+        raise ValueError(f"{path}: HYBRID_SHARD is not planned (plan FULL_SHARD with the GPUs of one node)")
+    if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        raise ValueError(f"{path}: sharding_strategy {sharding!r} is not planned")
+    return cast(Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], sharding)
+
+
+def _samples_callback(trainer: Any) -> Any:
+    """The config's `SpeakerSamplesCallback` (its ``class_path`` and ``init_args``), None without one."""
+    return next(
+        (
+            c
+            for c in _get(trainer, "callbacks") or []
+            if str(_get(c, "class_path", "")).endswith("SpeakerSamplesCallback")
+        ),
+        None,
     )
