@@ -136,6 +136,7 @@ def test_prepare_on_a_full_disk_stops_clearly_and_a_rerun_continues(small_fs, ti
     encodes only what is missing."""
     import soundfile as sf
 
+    from tts_lightning.__main__ import main
     from tts_lightning.data.prepare_cli import prepare_command
 
     lines = []
@@ -154,9 +155,9 @@ def test_prepare_on_a_full_disk_stops_clearly_and_a_rerun_continues(small_fs, ti
     cache = small_fs("64k") / "cache"
     args = ["--pretrained", str(tiny_dir), "--train_manifest", str(manifest), "--cache_dir", str(cache)]
 
-    assert prepare_command(args) == 1
+    assert main(["prepare", *args]) == 1  # a refused write: exit status 1, one line
     err = capsys.readouterr().err
-    message = next(line for line in err.splitlines() if line.startswith("error: "))
+    message = next(line for line in err.splitlines() if line.startswith("tts-lightning prepare: error: "))
     assert f"cannot write {cache}" in message and "no space left on device" in message
     assert "free there" in message and "clip(s) still to encode" in message and "run the same command again" in message
     assert _leftovers(cache) == []

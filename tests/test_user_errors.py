@@ -74,6 +74,10 @@ CASES = [
     ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev"], "no prepared data index at {work}/nope: run `tts-lightning prepare --config ...` for the run's data first, or pass its cache folder (data.cache_dir)"),
     ("evaluate", ["--model", "{cv}", "--config", "{work}/nope.yaml", "--out", "{work}/ev"], "config {work}/nope.yaml does not exist"),
     ("evaluate", ["--model", "{cv}", "--config", "{work}/broken.yaml", "--out", "{work}/ev"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
+    # prepare
+    ("prepare", ["--config", "{work}/nope.yaml"], "config {work}/nope.yaml does not exist"),
+    ("prepare", ["--config", "{work}/broken.yaml"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
+    ("prepare", ["--pretrained", "{tiny}", "--train_manifest", "{work}/nope.jsonl", "--cache_dir", "{work}/cache"], "manifest not found: {work}/nope.jsonl"),
     # tiny-model, export, plan, ray-fit
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),

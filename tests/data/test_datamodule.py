@@ -13,6 +13,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from tts_lightning.__main__ import main
 from tts_lightning.data.cache_folder import CACHEDIR_TAG
 from tts_lightning.data.datamodule import DistributedSamplerError, SpeakerClipsDataModule, rank_device
 from tts_lightning.data.demo import demo_dir
@@ -332,8 +333,9 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     )
     flat = tmp_path / "flat.yaml"
     flat.write_text(f"data:\n  pretrained: {tiny_dir}\n  train_manifest: {prepared}\n  speakers: [nobody]\n")
-    assert prepare_command(["--config", str(flat), "--cache_dir", str(tmp_path / "c")]) == 1
-    assert "'nobody'" in capsys.readouterr().err
+    assert main(["prepare", "--config", str(flat), "--cache_dir", str(tmp_path / "c")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tts-lightning prepare: error: ") and "'nobody'" in line
 
 
 def test_prepare_command_takes_the_manifest_encoding(tiny_dir, tmp_path, capsys):
@@ -347,8 +349,8 @@ def test_prepare_command_takes_the_manifest_encoding(tiny_dir, tmp_path, capsys)
     (root / "metadata.csv").write_bytes(("\n".join(rows) + "\n").encode("latin-1"))
     flags = ["--pretrained", str(tiny_dir), "--train_manifest", str(root), "--cache_dir", str(tmp_path / "c")]
 
-    assert prepare_command(flags) == 1
-    err = capsys.readouterr().err
+    assert main(["prepare", *flags]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
     assert f"{root / 'metadata.csv'}: line 1" in err and "byte 0xe9" in err and "manifest_encoding" in err
     assert prepare_command(flags + ["--data.manifest_encoding", "latin-1"]) == 0
     assert "accepted 3 clips" in capsys.readouterr().out

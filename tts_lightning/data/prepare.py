@@ -194,9 +194,9 @@ class DataPreparer:
     def read_manifests(self) -> None:
         """Read the manifests, cutting long subtitled recordings into clips: what a run of several
         processes does once per node (``prepare_data``) before its ranks read them together."""
-        tag_cache_dir(self.cache_dir)
         for path in filter(None, (self.settings.train_manifest, self.settings.val_manifest)):
             self._read_manifest(path)
+        tag_cache_dir(self.cache_dir)  # after reading them: a missing manifest leaves no folder behind
 
     def files_to_validate(self) -> list[Path]:
         """The audio files of the manifests whose validation memo is out of date, each once,
@@ -224,8 +224,6 @@ class DataPreparer:
         the clips, speakers, split and languages; write the report when ``write_report`` and show
         it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
-        if write_report:
-            tag_cache_dir(self.cache_dir)
         ids = SpecialIds.from_config(self.info.config)
         if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
             try:
@@ -235,6 +233,8 @@ class DataPreparer:
         config = s.validation_config()
         cache = self.codec_cache()
         train_manifest, train, val, segments = self._validate(config, checks)
+        if write_report:
+            tag_cache_dir(self.cache_dir)  # after reading the manifests: a missing one leaves no folder
         for rep in (train, val):
             if rep is not None:
                 reject_bad_codes(rep, cache)

@@ -22,24 +22,36 @@ from typing import Any
 DATA_CLASS = "tts_lightning.data.datamodule.SpeakerClipsDataModule"
 
 
-def _data_section(config_path: str) -> dict[str, Any]:
+def data_section(config_path: str | Path) -> dict[str, Any]:
+    """The ``data:`` section of a LightningCLI YAML (its ``init_args`` when it has a class path);
+    a missing file, bad YAML or a section of another class is a `ConfigError` naming the file."""
     import yaml
+
+    from tts_lightning.errors import ConfigError
 
     path = Path(config_path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raise ConfigError(f"config {path} does not exist")
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"config {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a YAML mapping at the top level")
+        raise ConfigError(f"{path}: expected a YAML mapping at the top level")
     data = config.get("data")
     if data is None:
-        raise ValueError(f"{path}: no data: section")
+        raise ConfigError(f"{path}: no data: section")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the data: section must be a mapping")
+        raise ConfigError(f"{path}: the data: section must be a mapping")
     if "class_path" in data or "init_args" in data:
         class_path = data.get("class_path")
         if class_path and class_path.rsplit(".", 1)[-1] != "SpeakerClipsDataModule":
-            raise ValueError(f"{path}: data.class_path is {class_path!r}, expected {DATA_CLASS}")
+            raise ConfigError(f"{path}: data.class_path is {class_path!r}, expected {DATA_CLASS}")
         data = data.get("init_args") or {}
     return dict(data)
 
@@ -103,6 +115,7 @@ def prepare_command(argv: list[str]) -> int:
     from jsonargparse import ArgumentParser
 
     from tts_lightning.data.datamodule import SpeakerClipsDataModule
+    from tts_lightning.errors import ConfigError
 
     parser = ArgumentParser(
         prog="tts-lightning prepare",
@@ -139,15 +152,10 @@ def prepare_command(argv: list[str]) -> int:
         elif arg.startswith("--config="):
             config_path = arg.split("=", 1)[1]
     if config_path is not None:
-        try:
-            section = _data_section(config_path)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        section = data_section(config_path)
         unknown = sorted(set(section) - names)
         if unknown:
-            print(f"error: {config_path}: unknown data argument(s): {', '.join(unknown)}", file=sys.stderr)
-            return 2
+            raise ConfigError(f"{config_path}: unknown data argument(s): {', '.join(unknown)}")
         parser.set_defaults({f"data.{k}": v for k, v in section.items()})
 
     cfg = parser.parse_args(argv)
@@ -162,14 +170,11 @@ def prepare_command(argv: list[str]) -> int:
         # The summary is printed below, once: not logged by prepare as well.
         report = data.prepare(ray_workers=cfg.ray.num_workers, ray_address=cfg.ray.address, show_report=False)
     except WriteError as exc:
-        if exc.disk_full and data is not None:
-            rest = _remaining_need(data, exc)
-            exc = exc.with_remaining(rest) if rest else exc
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        # `report_errors` prints it (exit status 1); a full disk also says what the rest needs.
+        rest = _remaining_need(data, exc) if exc.disk_full and data is not None else None
+        if rest:
+            raise exc.with_remaining(rest) from exc
+        raise
     if cfg.verify:
         print(f"verified {checked} cached codes file(s): {bad} bad, encoded again")
     print(report.summary())
@@ -179,4 +184,6 @@ def prepare_command(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(prepare_command(sys.argv[1:]))
+    from tts_lightning.errors import report_errors
+
+    sys.exit(report_errors("prepare", lambda: prepare_command(sys.argv[1:])))

@@ -8,26 +8,11 @@ from pathlib import Path
 
 def _prepared_from_config(config: Path) -> Path:
     """The cache folder of a training config's data (``data.cache_dir``, else the manifest's default)."""
-    import yaml
-
     from tts_lightning.data.prepare import default_cache_dir
+    from tts_lightning.data.prepare_cli import data_section
     from tts_lightning.evaluation.inputs import EvaluationError
 
-    if not config.is_file():
-        raise EvaluationError(f"config {config} does not exist")
-    try:
-        loaded = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise EvaluationError(f"config {config} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
-        raise EvaluationError(f"config {config} is not valid YAML{where}: {problem}") from None
-    data = loaded.get("data") if isinstance(loaded, dict) else None
-    if isinstance(data, dict) and ("class_path" in data or "init_args" in data):
-        data = data.get("init_args")  # data: {class_path: ..., init_args: {...}}
-    data = data if isinstance(data, dict) else {}
+    data = data_section(config)
     if data.get("cache_dir"):
         return Path(data["cache_dir"])
     if not data.get("train_manifest"):
