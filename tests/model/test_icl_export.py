@@ -1,0 +1,63 @@
+"""A run trained on the ICL layout exports as a ``base`` model (`tts-lightning export` picks it from
+the checkpoint) and clones through the official ``generate_voice_clone`` in ICL mode, streaming and not."""
+
+import json
+
+import lightning as L
+import soundfile as sf
+import torch
+from safetensors.torch import load_file
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.data.demo import demo_dir
+from tts_lightning.model.checkpoint import load_training_checkpoint
+from tts_lightning.model.export_cli import export_command
+
+
+def test_icl_trained_checkpoint_exports_as_base_and_clones(tiny_dir, make_datamodule, tmp_path):
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    data = make_datamodule(layout="icl", streaming=True, max_frames_per_batch=300)
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+
+    assert export_command(["--ckpt", str(ckpt), "--out", str(tmp_path / "voice"), "--dtype", "fp32"]) == 0
+    out = tmp_path / "voice"
+    assert json.loads((out / "config.json").read_text())["tts_model_type"] == "base"
+    exported = load_file(str(out / "model.safetensors"))
+    weights = load_training_checkpoint(ckpt).model_state_dict()
+    pretrained = load_file(str(tiny_dir / "model.safetensors"))
+    assert set(exported) == set(weights) and any(k.startswith("speaker_encoder.") for k in exported)
+    for key, value in exported.items():
+        torch.testing.assert_close(value, weights[key], atol=0, rtol=0, msg=key)
+    assert not torch.equal(exported["talker.codec_head.weight"], pretrained["talker.codec_head.weight"])  # trained
+
+    from qwen_tts import Qwen3TTSModel
+
+    model = Qwen3TTSModel.from_pretrained(str(out))
+    clip = demo_dir() / "clips" / "alice" / "alice_001"
+    wav, sr = sf.read(clip.with_suffix(".flac"), dtype="float32")
+    for streaming in (False, True):
+        torch.manual_seed(0)
+        wavs, rate = model.generate_voice_clone(
+            text="Hello there.",
+            language="english",
+            ref_audio=(wav, sr),
+            ref_text=clip.with_suffix(".txt").read_text().strip(),
+            x_vector_only_mode=False,
+            non_streaming_mode=not streaming,
+            max_new_tokens=16,
+        )
+        assert rate == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
