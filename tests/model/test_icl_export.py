@@ -4,6 +4,7 @@ the checkpoint) and clones through the official ``generate_voice_clone`` in ICL 
 import json
 
 import lightning as L
+import pytest
 import soundfile as sf
 import torch
 from safetensors.torch import load_file
@@ -11,10 +12,11 @@ from safetensors.torch import load_file
 from tts_lightning import Qwen3TTSModule
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
+from tts_lightning.model.export import ExportError, export_base
 from tts_lightning.model.export_cli import export_command
 
 
-def test_icl_trained_checkpoint_exports_as_base_and_clones(tiny_dir, make_datamodule, tmp_path):
+def test_icl_trained_checkpoint_exports_as_base_and_clones(tiny_dir, tiny_custom_voice_dir, make_datamodule, tmp_path):
     torch.set_num_threads(1)
     L.seed_everything(0)
     data = make_datamodule(layout="icl", streaming=True, max_frames_per_batch=300)
@@ -43,6 +45,9 @@ def test_icl_trained_checkpoint_exports_as_base_and_clones(tiny_dir, make_datamo
     for key, value in exported.items():
         torch.testing.assert_close(value, weights[key], atol=0, rtol=0, msg=key)
     assert not torch.equal(exported["talker.codec_head.weight"], pretrained["talker.codec_head.weight"])  # trained
+
+    with pytest.raises(ExportError, match="is a custom_voice model: a base export needs a base model"):
+        export_base(ckpt, tmp_path / "nope", pretrained=tiny_custom_voice_dir)
 
     from qwen_tts import Qwen3TTSModel
 

@@ -243,8 +243,13 @@ def export_base(
     return out
 
 
-def trained_layout(reader: CheckpointReader) -> str:
-    """The sequence layout the checkpoint's run trained (``data.layout``; "xvector" when unrecorded)."""
+def trained_layout(ckpt: str | os.PathLike, *, trust_checkpoint: bool = False) -> str:
+    """The sequence layout the checkpoint's run trained (``data.layout``): "xvector" when unrecorded,
+    or when the checkpoint cannot be read (the export then says why)."""
+    try:
+        reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    except CheckpointError:
+        return "xvector"
     return str((reader.datamodule_hyper_parameters or {}).get("layout") or "xvector")
 
 

@@ -42,7 +42,6 @@ def export_command(argv: list[str]) -> int:
         "reference clip); auto: base for a run trained with data.layout icl, else custom_voice",
     )
     args = parser.parse_args(argv)
-    from tts_lightning.model.checkpoint import CheckpointReader
     from tts_lightning.model.export import export_adapter, export_base, export_custom_voice, trained_layout
 
     if args.adapter_only:
@@ -54,7 +53,7 @@ def export_command(argv: list[str]) -> int:
             trust_checkpoint=args.trust_checkpoint,
         )
     elif args.model_type == "base" or (
-        args.model_type == "auto" and trained_layout(CheckpointReader(args.ckpt, trust=args.trust_checkpoint)) == "icl"
+        args.model_type == "auto" and trained_layout(args.ckpt, trust_checkpoint=args.trust_checkpoint) == "icl"
     ):
         out = export_base(
             args.ckpt,
