@@ -30,6 +30,10 @@ class PreparedItem:
     reference: Reference | None = None  # the ICL layout's reference clip
 
 
+def _codes(c: Tensor | Path) -> Tensor:
+    return load_codes(c) if isinstance(c, (str, os.PathLike)) else torch.as_tensor(c, dtype=torch.long)
+
+
 class ClipExample(NamedTuple):
     sequence: TalkerSequence
     speaker_index: int
@@ -83,8 +87,7 @@ class SpeakerClipsDataset(Dataset):
         return [p + it.frames for p, it in zip(self._prefill, self.items)]
 
     def codes(self, index: int) -> Tensor:
-        c = self.items[index].codes
-        return load_codes(c) if isinstance(c, (str, os.PathLike)) else torch.as_tensor(c, dtype=torch.long)
+        return _codes(self.items[index].codes)
 
     def __getitem__(self, index: int) -> ClipExample:
         item = self.items[index]
@@ -96,7 +99,7 @@ class SpeakerClipsDataset(Dataset):
             )
         ref_codes = None
         if self.layout is not None and self.layout.needs_reference and item.reference is not None:
-            ref_codes = item.reference.load_codes()
+            ref_codes = _codes(item.reference.codes)
             if ref_codes.shape[0] != item.reference.frames:
                 raise RuntimeError(
                     f"codes of {item.reference.key} (the reference of {item.key or index}) changed after prepare; "

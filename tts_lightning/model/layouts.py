@@ -20,7 +20,6 @@ Only layouts whose loss is proven equal to the official generation's NLL
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +71,6 @@ class Reference:
     codes: Tensor | Path  # (R, G), or the cached .npy file
     frames: int  # R
     key: str = ""  # the reference clip's audio path
-
-    def load_codes(self) -> Tensor:
-        from tts_lightning.data.codec_cache import load_codes
-
-        c = self.codes
-        return load_codes(c) if isinstance(c, (str, os.PathLike)) else torch.as_tensor(c, dtype=torch.long)
 
 
 def reference_text(text: str) -> str:
