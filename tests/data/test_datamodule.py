@@ -4,6 +4,7 @@ import json
 import logging
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import ClipRecord
 from tts_lightning.data.prepare_cli import prepare_command
 from tts_lightning.data.prepared_index import PreparedIndex
+from tts_lightning.data.references import choose_references
 from tts_lightning.data.selection import split_validation
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.errors import ConfigError
@@ -422,9 +424,7 @@ def test_a_cuda_prepare_device_means_each_ranks_own_gpu():
     assert rank_device("cuda:0", torch.device("cpu")) == "cuda:0"  # a CPU run: the user's choice stands
 
 
-def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_are_refused(
-    tiny_dir, prepared, tmp_path
-):
+def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_are_refused(tiny_dir, prepared):
     data = make(tiny_dir, prepared, layout="icl")
     data.setup("fit")
     clips = {c.audio: c for c in data.prepared_index.clips}
@@ -441,12 +441,7 @@ def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_
 
     with pytest.raises(ConfigError, match=r"^data.layout 'instruct' \(streaming=False\) is not offered"):
         make(tiny_dir, prepared, layout="instruct")
-    lone = tmp_path / "lone.jsonl"
-    entry = json.loads(prepared.read_text().splitlines()[0])
-    entry["audio"] = str(prepared.parent / entry["audio"])
-    entry.pop("ref_audio")
-    lone.write_text(json.dumps(entry) + "\n")
-    single = make(tiny_dir, lone, layout="icl", val_fraction=0.0)
-    single.prepare()
-    with pytest.raises(ConfigError, match=r"^data.layout 'icl': speaker 'alice' has no other training clip"):
-        single.setup("fit")
+    clips_of = {s: [c for c in data.prepared_index.clips if c.speaker == s] for s in ("alice", "bob")}
+    alone = clips_of["alice"] + clips_of["bob"][:1]  # bob: one clip
+    with pytest.raises(ConfigError, match=r"^data.layout 'icl': speaker 'bob' has no other training clip"):
+        choose_references([replace(c, split="train") for c in alone], seed=0)
