@@ -1,4 +1,4 @@
-"""A run trained on the ICL layout exports as a ``base`` model (`tts-lightning export` picks it from
+"""A run trained on the ICL layout resumes exactly, exports as a ``base`` model (`tts-lightning export` picks it from
 the checkpoint) and clones through the official ``generate_voice_clone`` in ICL mode, streaming and not."""
 
 import json
@@ -16,24 +16,39 @@ from tts_lightning.model.export import ExportError, export_base
 from tts_lightning.model.export_cli import export_command
 
 
-def test_icl_trained_checkpoint_exports_as_base_and_clones(tiny_dir, tiny_custom_voice_dir, make_datamodule, tmp_path):
-    torch.set_num_threads(1)
+def _fit(tiny_dir, make_datamodule, root, max_steps, ckpt_path=None):
+    """A single-process fit on the ICL streaming layout, checkpointing every step; its checkpoints folder."""
     L.seed_everything(0)
     data = make_datamodule(layout="icl", streaming=True, max_frames_per_batch=300)
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+    every_step = L.pytorch.callbacks.ModelCheckpoint(root, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=2,
+        max_steps=max_steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
-        default_root_dir=tmp_path,
+        callbacks=[every_step],
+        default_root_dir=root,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, datamodule=data)
-    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return root
+
+
+def test_icl_trained_checkpoint_resumes_exactly_exports_as_base_and_clones(
+    tiny_dir, tiny_custom_voice_dir, make_datamodule, tmp_path
+):
+    torch.set_num_threads(1)
+    straight = _fit(tiny_dir, make_datamodule, tmp_path / "straight", 3)
+    resumed = _fit(tiny_dir, make_datamodule, tmp_path / "resumed", 3, ckpt_path=straight / "step=1.ckpt")
+    ckpt = straight / "step=3.ckpt"
+    final, again = (load_training_checkpoint(d / "step=3.ckpt").state_dict for d in (straight, resumed))
+    assert final.keys() == again.keys()
+    for key, value in final.items():  # resumed mid-epoch on the ICL layout: the same weights
+        torch.testing.assert_close(again[key], value, atol=0, rtol=0, msg=key)
 
     assert export_command(["--ckpt", str(ckpt), "--out", str(tmp_path / "voice"), "--dtype", "fp32"]) == 0
     out = tmp_path / "voice"
