@@ -14,6 +14,9 @@ from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
 from tts_lightning.model.export import ExportError, export_base
 from tts_lightning.model.export_cli import export_command
+from tts_lightning.model.pretrained import check_pretrained
+from tts_lightning.model.synthesis import SynthesisError, check_request
+from tts_lightning.model.synthesis_cli import synthesize_command
 
 
 def _fit(tiny_dir, make_datamodule, root, max_steps, ckpt_path=None):
@@ -69,15 +72,26 @@ def test_icl_trained_checkpoint_resumes_exactly_exports_as_base_and_clones(
     model = Qwen3TTSModel.from_pretrained(str(out))
     clip = demo_dir() / "clips" / "alice" / "alice_001"
     wav, sr = sf.read(clip.with_suffix(".flac"), dtype="float32")
-    for streaming in (False, True):
-        torch.manual_seed(0)
-        wavs, rate = model.generate_voice_clone(
-            text="Hello there.",
-            language="english",
-            ref_audio=(wav, sr),
-            ref_text=clip.with_suffix(".txt").read_text().strip(),
-            x_vector_only_mode=False,
-            non_streaming_mode=not streaming,
-            max_new_tokens=16,
+    torch.manual_seed(0)
+    wavs, rate = model.generate_voice_clone(
+        text="Hello there.",
+        language="english",
+        ref_audio=(wav, sr),
+        ref_text=clip.with_suffix(".txt").read_text().strip(),
+        x_vector_only_mode=False,
+        non_streaming_mode=False,  # the streaming layout the run trained
+        max_new_tokens=16,
+    )
+    assert rate == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
+
+    # Non-streaming, through `tts-lightning synthesize` (generate_voice_clone inside): --ref-text clones
+    # in ICL mode, --no-streaming picks the layout.
+    said = tmp_path / "said.wav"
+    argv = ["--model", str(out), "--ref-audio", str(clip.with_suffix(".flac")), "--text", "Hello there."]
+    argv += ["--ref-text", clip.with_suffix(".txt").read_text().strip(), "--no-streaming", "--max-new-tokens", "8"]
+    assert synthesize_command([*argv, "--out", str(said), "--device", "cpu"]) == 0
+    assert sf.info(str(said)).samplerate == 24_000 and sf.info(str(said)).frames > 0
+    with pytest.raises(SynthesisError, match="--ref-text clones in ICL mode, which needs a base model"):
+        check_request(
+            check_pretrained(tiny_custom_voice_dir), speaker="x", ref_audio=None, language="auto", ref_text="Hi."
         )
-        assert rate == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0
