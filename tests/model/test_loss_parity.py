@@ -38,13 +38,17 @@ CLIPS = (
     ("bob/bob_000", "bob", "english"),
 )
 LAYOUTS = [("xvector", False), ("xvector", True), ("icl", False), ("icl", True)]
+# The rows a new layout is proven on (forcing generation costs ~1 s a clip): one with a language tag,
+# one "auto", one of each speaker; the default layout is proven on all four.
+CHECKED = {"alice_000.flac", "bob_003.flac"}
 
 
 @pytest.fixture(scope="module")
 def built(tiny_dir, tmp_path_factory):
-    """built(layout, streaming) -> (model, batch, official NLL per row): one batch of the four clips
-    from the real data module, and what the official generation path assigns to each row's codes
-    (the ICL prompt built from the reference clip the data module chose). Cached per layout."""
+    """built(layout, streaming) -> (model, batch, {row: official NLL}): one batch of the four clips
+    from the real data module, and what the official generation path assigns to the codes of each
+    row (`CHECKED` rows only, but for the default layout), the ICL prompt built from the reference
+    clip the data module chose. Cached per layout."""
     root = tmp_path_factory.mktemp("parity")
     records = {}
     for clip, speaker, language in CLIPS:
@@ -77,11 +81,13 @@ def built(tiny_dir, tmp_path_factory):
         (batch,) = list(data.train_dataloader())
         items = data.train_dataset.items
         speakers = data.speaker_embeddings()
-        official = []
+        official = {}
         for b in range(len(batch)):
             codes = batch.codes[b, batch.frame_mask[b]]
             (item,) = [it for it in items if torch.equal(load_codes(it.codes), codes)]
             record = records[Path(item.key).name]
+            if (layout, streaming) != ("xvector", False) and record["audio"] not in CHECKED:
+                continue
             text_ids = tokenizer(Qwen3TTSModel._build_assistant_text(None, record["text"]))["input_ids"]
             icl = {}
             if layout == "icl":
@@ -92,16 +98,14 @@ def built(tiny_dir, tmp_path_factory):
                     ref_ids=tokenizer(Qwen3TTSModel._build_ref_text(None, ref["text"]))["input_ids"],
                     ref_code=load_codes(ref_item.codes),
                 )
-            official.append(
-                official_forced_nll(
-                    model,
-                    text_ids,
-                    codes,
-                    speakers[item.speaker_index],
-                    language=record["language"],
-                    non_streaming_mode=not streaming,
-                    **icl,
-                )
+            official[b] = official_forced_nll(
+                model,
+                text_ids,
+                codes,
+                speakers[item.speaker_index],
+                language=record["language"],
+                non_streaming_mode=not streaming,
+                **icl,
             )
         cache[layout, streaming] = model, batch, official
         return cache[layout, streaming]
@@ -118,7 +122,8 @@ def test_module_loss_equals_official_generation_nll(built, layout, streaming):
     assert len(batch) == 4 and len(set(batch.attention_mask.sum(1).tolist())) > 1  # padded
     with torch.no_grad():
         out = compute_loss(model.talker, batch)
-    for b, (talker_nll, predictor_nll) in enumerate(official):
+    assert len(official) == (4 if (layout, streaming) == ("xvector", False) else 2)
+    for b, (talker_nll, predictor_nll) in official.items():
         ours_talker = out.talker_nll[out.talker_example == b]
         ours_predictor = out.predictor_nll[out.predictor_example == b]
         assert ours_talker.shape == talker_nll.shape  # every frame's code 0, then eos
@@ -126,15 +131,17 @@ def test_module_loss_equals_official_generation_nll(built, layout, streaming):
         torch.testing.assert_close(ours_talker, talker_nll, atol=TOLERANCE, rtol=0)
         for j in range(predictor_nll.shape[1]):  # each codebook on its own
             torch.testing.assert_close(ours_predictor[:, j], predictor_nll[:, j], atol=TOLERANCE, rtol=0)
-    all_talker = torch.cat([t for t, _ in official])
-    all_predictor = torch.cat([p for _, p in official])
-    torch.testing.assert_close(out.talker_loss, all_talker.mean(), atol=TOLERANCE, rtol=0)
-    torch.testing.assert_close(out.code_predictor_loss, all_predictor.mean(), atol=TOLERANCE, rtol=0)
-    torch.testing.assert_close(out.loss, all_talker.mean() + 0.3 * all_predictor.mean(), atol=TOLERANCE, rtol=0)
+    if len(official) == len(batch):  # the batch's losses: the means over every target of every row
+        all_talker = torch.cat([official[b][0] for b in sorted(official)])
+        all_predictor = torch.cat([official[b][1] for b in sorted(official)])
+        torch.testing.assert_close(out.talker_loss, all_talker.mean(), atol=TOLERANCE, rtol=0)
+        torch.testing.assert_close(out.code_predictor_loss, all_predictor.mean(), atol=TOLERANCE, rtol=0)
+        expected = all_talker.mean() + 0.3 * all_predictor.mean()
+        torch.testing.assert_close(out.loss, expected, atol=TOLERANCE, rtol=0)
     if (layout, streaming) != ("xvector", False):
         # Not vacuous: the same targets cost clearly different amounts under the default layout.
         _, default_batch, default_official = built("xvector", False)
-        for b in range(len(batch)):
+        for b in official:
             codes = batch.codes[b, batch.frame_mask[b]]
             (d,) = [
                 i
@@ -165,7 +172,7 @@ def test_upstream_alignment_disagrees_with_generation(built):
     model, batch, official = built("xvector", False)
     with torch.no_grad():
         talker_nll, talker_example, predictor_nll, predictor_example = _upstream_alignment_nll(model.talker, batch)
-    for b, (official_talker, official_predictor) in enumerate(official):
+    for b, (official_talker, official_predictor) in official.items():
         upstream_talker = talker_nll[talker_example == b]
         n = min(len(upstream_talker), len(official_talker))
         assert (upstream_talker[:n] - official_talker[:n]).abs().mean() > 0.05

@@ -56,6 +56,8 @@ class SpeakerClipsDataset(Dataset):
         self.ids = ids
         self.with_speaker = with_speaker
         self.layout = layout if layout is not None and not layout.is_default else None
+        if self.layout is not None and not with_speaker:
+            raise ValueError(f"layout {self.layout} always has a speaker slot (with_speaker=False is the default's)")
         # Prefill lengths depend only on the text, language (and reference length); computed once for the sampler.
         self._prefill = [self._build(it, None, None).text_ids.shape[0] for it in self.items]
 
