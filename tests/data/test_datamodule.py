@@ -4,6 +4,7 @@ import json
 import logging
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +21,10 @@ from tts_lightning.data.demo import demo_dir
 from tts_lightning.data.manifest import ClipRecord
 from tts_lightning.data.prepare_cli import prepare_command
 from tts_lightning.data.prepared_index import PreparedIndex
+from tts_lightning.data.references import choose_references
 from tts_lightning.data.selection import split_validation
 from tts_lightning.data.validation import AcceptedClip
+from tts_lightning.errors import ConfigError
 from tts_lightning.model.sequence import TalkerBatch
 
 
@@ -194,23 +197,30 @@ def test_ranks_get_disjoint_batches_and_a_distributed_sampler_is_refused(tiny_di
     assert len(set(per_rank[0]) & set(per_rank[1])) <= 1
 
 
-def test_sampler_state_resumes_the_data_order(tiny_dir, prepared):
-    data = make(tiny_dir, prepared, max_frames_per_batch=200)
+def _digest(batch: TalkerBatch) -> tuple:
+    """Every input the loss reads (the ICL reference and streaming text included), exactly."""
+    return tuple(t.tolist() for t in (batch.text_ids, batch.codec_ids, batch.labels, batch.codes, batch.speaker_index))
+
+
+@pytest.mark.parametrize("layout, streaming", [("xvector", False), ("xvector", True), ("icl", False), ("icl", True)])
+def test_sampler_state_resumes_the_data_order(tiny_dir, prepared, layout, streaming):
+    kwargs = dict(max_frames_per_batch=400 if layout == "icl" else 200, layout=layout, streaming=streaming)
+    data = make(tiny_dir, prepared, **kwargs)
     data.setup("fit")
-    full = [b.codes.sum().item() for b in data.train_dataloader()]
+    full = [_digest(b) for b in data.train_dataloader()]
     assert len(full) >= 4
 
-    data = make(tiny_dir, prepared, max_frames_per_batch=200)
+    data = make(tiny_dir, prepared, **kwargs)
     data.setup("fit")
     it = iter(data.train_dataloader())
-    head = [next(it).codes.sum().item() for _ in range(2)]
+    head = [_digest(next(it)) for _ in range(2)]
     state = data.state_dict()
     assert state["train_sampler"]["consumed"] == 2
 
-    resumed = make(tiny_dir, prepared, max_frames_per_batch=200)
+    resumed = make(tiny_dir, prepared, **kwargs)
     resumed.load_state_dict(state)  # before setup / the loader exists, as Lightning does
     resumed.setup("fit")
-    tail = [b.codes.sum().item() for b in resumed.train_dataloader()]
+    tail = [_digest(b) for b in resumed.train_dataloader()]
     assert head + tail == full
 
 
@@ -414,3 +424,26 @@ def test_a_cuda_prepare_device_means_each_ranks_own_gpu():
     assert rank_device("cuda:0", gpu3) == rank_device("cuda", gpu3) == "cuda:3"
     assert rank_device("cpu", gpu3) == "cpu" and rank_device(None, gpu3) is None
     assert rank_device("cuda:0", torch.device("cpu")) == "cuda:0"  # a CPU run: the user's choice stands
+
+
+def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_are_refused(tiny_dir, prepared):
+    data = make(tiny_dir, prepared, layout="icl")
+    data.setup("fit")
+    clips = {c.audio: c for c in data.prepared_index.clips}
+    items = data.train_dataset.items + data.val_dataset.items
+    chosen = [it.reference.key for it in items]
+    for item, key in zip(items, chosen):
+        ref = clips[key]
+        assert key != item.key and ref.split == "train" and ref.speaker == clips[item.key].speaker
+        assert item.reference.frames == ref.frames
+    assert len(set(chosen)) > 4  # not one reference for everyone
+    again = make(tiny_dir, prepared, layout="icl")
+    again.setup("fit")
+    assert [it.reference.key for it in again.train_dataset.items + again.val_dataset.items] == chosen
+
+    with pytest.raises(ConfigError, match=r"^data.layout 'instruct' \(streaming=False\) is not offered"):
+        make(tiny_dir, prepared, layout="instruct")
+    clips_of = {s: [c for c in data.prepared_index.clips if c.speaker == s] for s in ("alice", "bob")}
+    alone = clips_of["alice"] + clips_of["bob"][:1]  # bob: one clip
+    with pytest.raises(ConfigError, match=r"^data.layout 'icl': speaker 'bob' has no other training clip"):
+        choose_references([replace(c, split="train") for c in alone], seed=0)

@@ -29,10 +29,20 @@ class _Force(LogitsProcessor):
 
 
 def official_forced_nll(
-    model, text_ids: list[int], codes: torch.Tensor, speaker_embedding: torch.Tensor, language: str = "Auto"
+    model,
+    text_ids: list[int],
+    codes: torch.Tensor,
+    speaker_embedding: torch.Tensor,
+    language: str = "Auto",
+    *,
+    non_streaming_mode: bool = True,
+    ref_ids: list[int] | None = None,
+    ref_code: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NLL per talker target (T+1: code 0 of each frame, then eos) and per code-predictor target
-    (T, G-1), as the official generation path assigns them to ``codes`` (T, G)."""
+    (T, G-1), as the official generation path assigns them to ``codes`` (T, G). With ``ref_ids``
+    (the tokenised reference template) and ``ref_code`` (R, G): the ICL prompt, as
+    ``generate_voice_clone(..., x_vector_only_mode=False)`` passes it."""
     talker = model.talker
     eos = model.config.talker_config.codec_eos_token_id
     T = codes.shape[0]
@@ -68,18 +78,20 @@ def official_forced_nll(
         recorded["talker"] = torch.stack(out.logits, dim=1)[0]
         return out
 
+    icl = ref_code is not None
     talker.generate = talker_generate
     talker.code_predictor.generate = predictor_generate
     try:
         model.generate(
             input_ids=[torch.tensor([text_ids])],
+            ref_ids=[torch.tensor([ref_ids])] if icl else None,
             languages=[language],
-            non_streaming_mode=True,
+            non_streaming_mode=non_streaming_mode,
             voice_clone_prompt={
                 "ref_spk_embedding": [speaker_embedding],
-                "x_vector_only_mode": [True],
-                "icl_mode": [False],
-                "ref_code": None,
+                "x_vector_only_mode": [not icl],
+                "icl_mode": [icl],
+                "ref_code": [ref_code] if icl else None,
             },
             subtalker_dosample=False,
             do_sample=False,

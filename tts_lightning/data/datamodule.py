@@ -36,8 +36,10 @@ from torch.utils.data import DataLoader
 from tts_lightning.data.batching import BatchSamplerView, LengthBucketBatchSampler, ResumableDataLoader
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
+from tts_lightning.data.references import references
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
+from tts_lightning.model.layouts import Reference, SequenceLayout
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
 
@@ -70,6 +72,10 @@ class SpeakerClipsDataModule(LightningDataModule):
             sorted. Each must have accepted clips.
         default_speaker: the speaker of entries that name none.
         language: overrides every clip's language ("auto", "english", ...).
+        layout: the sequence layout trained: "xvector" (speaker embedding only) or "icl" (also another
+            clip of the speaker, codes and transcript, in the prompt); see `tts_lightning.model.layouts`.
+        streaming: train the streaming layout (text fed alongside the frames, `generate_voice_clone`'s
+            default) instead of the non-streaming one.
         max_frames_per_batch: cap on padded talker positions per batch (batch size x the
             longest prefill + frames), which bounds activation memory.
         batch_size: cap on clips per batch (alone or with ``max_frames_per_batch``).
@@ -132,8 +138,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         predict_texts: list[str] | None = None,
         predict_texts_file: str | None = None,
         predict_speakers: list[str] | None = None,
+        layout: Literal["xvector", "icl"] = "xvector",
+        streaming: bool = False,
     ) -> None:
         super().__init__()
+        self.layout = SequenceLayout(layout, streaming)  # refuses a layout not proven
         if max_frames_per_batch is None and batch_size is None:
             raise ValueError("set max_frames_per_batch, batch_size, or both")
         if num_workers < 0:
@@ -298,7 +307,10 @@ class SpeakerClipsDataModule(LightningDataModule):
         speaker_index = {n: i for i, n in enumerate(names)}
         splits: dict[str, list[PreparedItem]] = {"train": [], "val": []}
         text_ids = tokenize_texts(tokenizer, [e.text for e in index.clips])
-        for e, tokens in zip(index.clips, text_ids):
+        refs: list[Reference | None] = [None] * len(index.clips)
+        if self.layout.needs_reference:
+            refs = list(references(index.clips, cache_dir, tokenizer, self.seed))
+        for e, tokens, ref in zip(index.clips, text_ids, refs):
             codes = cache_dir / e.codes
             if not codes.is_file():
                 raise FileNotFoundError(f"{codes} (codes of {e.audio}) is missing; run prepare again")
@@ -310,10 +322,11 @@ class SpeakerClipsDataModule(LightningDataModule):
                     speaker_index=speaker_index[e.speaker],
                     language=e.language,
                     key=e.audio,
+                    reference=ref,
                 )
             )
-        self.train_dataset = SpeakerClipsDataset(splits["train"], ids)
-        self.val_dataset = SpeakerClipsDataset(splits["val"], ids)
+        self.train_dataset = SpeakerClipsDataset(splits["train"], ids, layout=self.layout)
+        self.val_dataset = SpeakerClipsDataset(splits["val"], ids, layout=self.layout)
         self._speaker_table = table.embeddings
         self._collate = TalkerCollate(table.embeddings, ids.tts_pad)
         self._index = index

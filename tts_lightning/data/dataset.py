@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from tts_lightning.data.codec_cache import load_codes
+from tts_lightning.model.layouts import Reference, SequenceLayout, build_layout_sequence
 from tts_lightning.model.sequence import SpecialIds, TalkerBatch, TalkerSequence, build_sequence, collate
 
 
@@ -26,6 +27,11 @@ class PreparedItem:
     speaker_index: int  # row of the speaker table
     language: str = "auto"
     key: str = ""  # a stable name for the clip (its audio path), for logs
+    reference: Reference | None = None  # the ICL layout's reference clip
+
+
+def _codes(c: Tensor | Path) -> Tensor:
+    return load_codes(c) if isinstance(c, (str, os.PathLike)) else torch.as_tensor(c, dtype=torch.long)
 
 
 class ClipExample(NamedTuple):
@@ -38,17 +44,39 @@ class SpeakerClipsDataset(Dataset):
     frame) and its speaker index. Codes stored as files are read on access, so worker processes
     do not copy a whole corpus of codes."""
 
-    def __init__(self, items: Sequence[PreparedItem], ids: SpecialIds, *, with_speaker: bool = True) -> None:
+    def __init__(
+        self,
+        items: Sequence[PreparedItem],
+        ids: SpecialIds,
+        *,
+        with_speaker: bool = True,
+        layout: SequenceLayout | None = None,
+    ) -> None:
         self.items = list(items)
         self.ids = ids
         self.with_speaker = with_speaker
-        # Prefill lengths depend only on the text and language; computed once for the sampler.
-        self._prefill = [
-            build_sequence(
-                ids, list(it.text_ids), None, language=it.language, with_speaker=with_speaker
-            ).text_ids.shape[0]
-            for it in self.items
-        ]
+        self.layout = layout if layout is not None and not layout.is_default else None
+        if self.layout is not None and not with_speaker:
+            raise ValueError(f"layout {self.layout} always has a speaker slot (with_speaker=False is the default's)")
+        # Prefill lengths depend only on the text, language (and reference length); computed once for the sampler.
+        self._prefill = [self._build(it, None, None).text_ids.shape[0] for it in self.items]
+
+    def _build(self, item: PreparedItem, codes: Tensor | None, ref_codes: Tensor | None) -> TalkerSequence:
+        """The item's sequence; ``ref_codes`` None stands for zeros of the reference's length."""
+        if self.layout is None:
+            return build_sequence(
+                self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker
+            )
+        reference = None
+        if self.layout.needs_reference:
+            if item.reference is None:
+                raise ValueError(f"{item.key or 'an item'} has no reference clip, which the icl layout needs")
+            if ref_codes is None:
+                ref_codes = torch.zeros(item.reference.frames, self.ids.num_code_groups, dtype=torch.long)
+            reference = (list(item.reference.text_ids), ref_codes)
+        return build_layout_sequence(
+            self.ids, list(item.text_ids), codes, layout=self.layout, language=item.language, reference=reference
+        )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -61,8 +89,7 @@ class SpeakerClipsDataset(Dataset):
         return [p + it.frames for p, it in zip(self._prefill, self.items)]
 
     def codes(self, index: int) -> Tensor:
-        c = self.items[index].codes
-        return load_codes(c) if isinstance(c, (str, os.PathLike)) else torch.as_tensor(c, dtype=torch.long)
+        return _codes(self.items[index].codes)
 
     def __getitem__(self, index: int) -> ClipExample:
         item = self.items[index]
@@ -72,10 +99,15 @@ class SpeakerClipsDataset(Dataset):
                 f"codes of {item.key or index} have {codes.shape[0]} frames, the prepared index says "
                 f"{item.frames}; the cache changed after prepare, run prepare again"
             )
-        seq = build_sequence(
-            self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker
-        )
-        return ClipExample(seq, item.speaker_index)
+        ref_codes = None
+        if self.layout is not None and self.layout.needs_reference and item.reference is not None:
+            ref_codes = _codes(item.reference.codes)
+            if ref_codes.shape[0] != item.reference.frames:
+                raise RuntimeError(
+                    f"codes of {item.reference.key} (the reference of {item.key or index}) changed after prepare; "
+                    "run prepare again"
+                )
+        return ClipExample(self._build(item, codes, ref_codes), item.speaker_index)
 
 
 class TalkerCollate:

@@ -108,6 +108,7 @@ class CheckpointReader:
         if not any(k.startswith("model.talker.") for k in self._sizes):
             raise CheckpointError(f"{path} holds no Qwen3-TTS weights (no model.talker.* keys)")
         self.hyper_parameters: dict[str, Any] = dict(raw.get("hyper_parameters") or {})
+        self.datamodule_hyper_parameters: dict[str, Any] = dict(raw.get("datamodule_hyper_parameters") or {})
         self.global_step = int(raw.get("global_step", 0))
 
     def tensor_keys(self) -> list[str]:

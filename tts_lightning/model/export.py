@@ -1,4 +1,5 @@
-"""Export a training checkpoint to a ``custom_voice`` directory that `qwen_tts` speaks with.
+"""Export a training checkpoint to a ``custom_voice`` directory that `qwen_tts` speaks with (or, for a
+run trained on the ICL layout, to a ``base`` directory: `export_base`).
 
 The released layout, with the new speakers named in ``talker_config.spk_id`` and their fp32
 embeddings written into the matching ``codec_embedding`` rows (a custom-voice model looks a speaker
@@ -189,6 +190,67 @@ def export_custom_voice(
             shutil.rmtree(out)
         os.replace(tmp, out)
     return out
+
+
+def export_base(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: Literal["bf16", "fp32", "fp16"] = "bf16",
+    pretrained: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    trust_checkpoint: bool = False,
+    max_shard_size: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write ``out`` as a ``base`` model (the pretrained config, the trained weights, the speaker
+    encoder kept): what an ICL-trained run needs, since only a base model has
+    ``generate_voice_clone`` (a reference clip and its transcript in the prompt, as trained). The
+    run's speaker table is not written: cloning embeds the reference clip itself. Streamed and
+    atomic like `export_custom_voice`."""
+    out = Path(out).expanduser().resolve()
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    source_dir = pretrained or reader.hyper_parameters.get("pretrained")
+    if source_dir is None:
+        raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
+    info = check_pretrained(source_dir)
+    config = json.loads((info.path / "config.json").read_text())
+    if config.get("tts_model_type") != "base":
+        raise ExportError(f"{info.path} is a {config.get('tts_model_type')} model: a base export needs a base model")
+    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
+    adapter = _adapter_settings(reader.hyper_parameters)
+    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+    keys = source.keys()
+    if not any(k.startswith("model.speaker_encoder.") for k in keys):
+        raise ExportError(f"{ckpt}: holds no speaker encoder, which generate_voice_clone needs")
+    target = DTYPES[dtype]
+    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    with staged_directory(out) as tmp:
+        _copy_pretrained_files(info.path, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_weights(tmp, source, names, groups, target, speaker_rows={})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out
+
+
+def trained_layout(ckpt: str | os.PathLike, *, trust_checkpoint: bool = False) -> str:
+    """The sequence layout the checkpoint's run trained (``data.layout``): "xvector" when unrecorded,
+    or when the checkpoint cannot be read (the export then says why)."""
+    try:
+        reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    except CheckpointError:
+        return "xvector"
+    return str((reader.datamodule_hyper_parameters or {}).get("layout") or "xvector")
 
 
 def _speaker_table(reader: CheckpointReader, ckpt: str | os.PathLike) -> tuple[list[str], torch.Tensor]:

@@ -3,6 +3,7 @@
 
     tts-lightning export --ckpt runs/tiny-cpu/checkpoints/last.ckpt --out runs/voice
     tts-lightning export --ckpt CKPT --out adapter/ --adapter-only
+    tts-lightning export --ckpt CKPT --out voice/ --model-type base   # the default for an ICL-trained run
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 def export_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tts-lightning export",
-        description="Export a training checkpoint (full file or sharded folder) to a qwen-tts custom_voice directory.",
+        description="Export a training checkpoint (full file or sharded folder) to a qwen-tts custom_voice "
+        "(or base) directory.",
     )
     parser.add_argument("--ckpt", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
@@ -32,13 +34,31 @@ def export_command(argv: list[str]) -> int:
         help="LoRA runs: write only the adapter in peft's format (plus the speaker table) "
         "instead of the merged custom_voice model",
     )
+    parser.add_argument(
+        "--model-type",
+        choices=("auto", "custom_voice", "base"),
+        default="auto",
+        help="custom_voice (named speakers, generate_custom_voice) or base (generate_voice_clone with a "
+        "reference clip); auto: base for a run trained with data.layout icl, else custom_voice",
+    )
     args = parser.parse_args(argv)
-    from tts_lightning.model.export import export_adapter, export_custom_voice
+    from tts_lightning.model.export import export_adapter, export_base, export_custom_voice, trained_layout
 
     if args.adapter_only:
         out = export_adapter(
             args.ckpt,
             args.out,
+            pretrained=args.pretrained,
+            overwrite=args.overwrite,
+            trust_checkpoint=args.trust_checkpoint,
+        )
+    elif args.model_type == "base" or (
+        args.model_type == "auto" and trained_layout(args.ckpt, trust_checkpoint=args.trust_checkpoint) == "icl"
+    ):
+        out = export_base(
+            args.ckpt,
+            args.out,
+            dtype=args.dtype,
             pretrained=args.pretrained,
             overwrite=args.overwrite,
             trust_checkpoint=args.trust_checkpoint,

@@ -55,9 +55,16 @@ def supported_languages(info: PretrainedInfo) -> list[str]:
 
 
 def check_request(
-    info: PretrainedInfo, *, speaker: str | None, ref_audio: str | os.PathLike | None, language: str
+    info: PretrainedInfo,
+    *,
+    speaker: str | None,
+    ref_audio: str | os.PathLike | None,
+    language: str,
+    ref_text: str | None = None,
 ) -> None:
     """Raise `SynthesisError` when the model cannot speak as asked; before the model is loaded."""
+    if ref_text is not None and info.tts_model_type != "base":
+        raise SynthesisError(f"--ref-text clones in ICL mode, which needs a base model; {info.path} is not one")
     if info.tts_model_type == "custom_voice":
         if not speaker:
             raise SynthesisError(f"{info.path} is a custom_voice model: pass --speaker, one of {sorted(info.speakers)}")
@@ -89,6 +96,8 @@ def synthesize(
     *,
     speaker: str | None = None,
     ref_audio: str | os.PathLike | None = None,
+    ref_text: str | None = None,
+    streaming: bool | None = None,
     language: str = "Auto",
     seed: int = 0,
     max_new_tokens: int | None = None,
@@ -97,24 +106,29 @@ def synthesize(
     """Generate one waveform per text.
 
     A ``custom_voice`` directory (what `export` writes) speaks as ``speaker``; a ``base`` directory
-    clones the voice of ``ref_audio`` (x-vector only, no reference transcript needed). The model
-    and its speech tokenizer run on ``device`` (default: cuda when available, else cpu).
+    clones the voice of ``ref_audio``: x-vector only, or in ICL mode when ``ref_text`` (its
+    transcript) is given (what `export` writes for a run trained with ``data.layout: icl``).
+    ``streaming`` picks the layout (default: qwen_tts's own for the call). The model and its speech
+    tokenizer run on ``device`` (default: cuda when available, else cpu).
     """
     from qwen_tts import Qwen3TTSModel
 
     info = check_pretrained(model_dir)
-    check_request(info, speaker=speaker, ref_audio=ref_audio, language=language)
+    check_request(info, speaker=speaker, ref_audio=ref_audio, language=language, ref_text=ref_text)
     device = resolve_device(device)
     torch.manual_seed(seed)
     # device_map reaches the speech tokenizer too: qwen_tts loads it with the same arguments.
     model = Qwen3TTSModel.from_pretrained(str(info.path), device_map=device)
-    kwargs = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    kwargs: dict = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    if streaming is not None:
+        kwargs["non_streaming_mode"] = not streaming
     if info.tts_model_type == "custom_voice":
         return model.generate_custom_voice(text=texts, speaker=speaker, language=language, **kwargs)
     return model.generate_voice_clone(
         text=texts,
         language=language,
         ref_audio=str(Path(ref_audio).expanduser()),  # type: ignore[arg-type]  # checked above
-        x_vector_only_mode=True,
+        ref_text=ref_text,
+        x_vector_only_mode=ref_text is None,
         **kwargs,
     )

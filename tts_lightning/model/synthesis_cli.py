@@ -2,6 +2,7 @@
 
 tts-lightning synthesize --model runs/voice --speaker alice --text "Hello." --out hello.wav
 tts-lightning synthesize --model BASE_DIR --ref-audio clip.wav --text-file texts.txt --out wavs/
+tts-lightning synthesize --model ICL_VOICE --ref-audio clip.wav --ref-text "What clip.wav says." --text Hi. --out hi.wav
 
 The model and its speech tokenizer run on --device (default cuda when available, else cpu).
 """
@@ -24,6 +25,16 @@ def synthesize_command(argv: list[str]) -> int:
     parser.add_argument("--text-file", type=Path, help="one text per line")
     parser.add_argument("--speaker", help="speaker name of a custom_voice model")
     parser.add_argument("--ref-audio", type=Path, help="reference clip for a base model")
+    parser.add_argument(
+        "--ref-text", help="transcript of --ref-audio: clone in ICL mode (reference codes and text in the prompt)"
+    )
+    parser.add_argument(
+        "--streaming",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the streaming layout (text fed alongside the frames) or not; default: qwen_tts's "
+        "(streaming for a base model, non-streaming for custom_voice); use the layout the model was trained on",
+    )
     parser.add_argument("--language", default="Auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int)
@@ -49,6 +60,8 @@ def synthesize_command(argv: list[str]) -> int:
         texts,
         speaker=args.speaker,
         ref_audio=args.ref_audio,
+        ref_text=args.ref_text,
+        streaming=args.streaming,
         language=args.language,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,

@@ -1,0 +1,42 @@
+"""The reference clip of every clip for the ICL layout: another training clip of the same speaker.
+
+Chosen once per clip from a seeded generator keyed by the seed and the clip's audio path, so the
+choice is the same on every rank, every epoch and every resume, and does not move when other
+clips are added. Only training clips serve as references (a validation clip never enters a
+training prompt); their codes are those prepare already cached.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from pathlib import Path
+
+from tts_lightning.data.prepared_index import PreparedClip
+from tts_lightning.errors import ConfigError
+from tts_lightning.model.layouts import Reference, reference_text_ids
+
+
+def choose_references(clips: list[PreparedClip], seed: int) -> list[int]:
+    """For clip i, the index of its reference clip: a training clip of the same speaker, not i."""
+    train: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(clips):
+        if c.split == "train":
+            train[c.speaker].append(i)
+    chosen: list[int] = []
+    for i, c in enumerate(clips):
+        pool = [j for j in train[c.speaker] if j != i]
+        if not pool:
+            raise ConfigError(
+                f"data.layout 'icl': speaker {c.speaker!r} has no other training clip to serve as the "
+                f"reference of {c.audio}; give it at least two training clips, or use data.layout xvector"
+            )
+        chosen.append(random.Random(f"{seed}:{c.audio}").choice(pool))
+    return chosen
+
+
+def references(clips: list[PreparedClip], cache_dir: Path, tokenizer, seed: int) -> list[Reference]:
+    """The `Reference` of every clip (transcript ids, cached codes file), in the order of ``clips``."""
+    chosen = choose_references(clips, seed)
+    texts = reference_text_ids(tokenizer, [c.text for c in clips])
+    return [Reference(texts[j], cache_dir / clips[j].codes, clips[j].frames, key=clips[j].audio) for j in chosen]
