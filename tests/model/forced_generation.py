@@ -29,10 +29,20 @@ class _Force(LogitsProcessor):
 
 
 def official_forced_nll(
-    model, text_ids: list[int], codes: torch.Tensor, speaker_embedding: torch.Tensor, language: str = "Auto"
+    model,
+    text_ids: list[int],
+    codes: torch.Tensor,
+    speaker_embedding: torch.Tensor | None,
+    language: str = "Auto",
+    *,
+    speaker: str | None = None,
+    instruct_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NLL per talker target (T+1: code 0 of each frame, then eos) and per code-predictor target
-    (T, G-1), as the official generation path assigns them to ``codes`` (T, G)."""
+    (T, G-1), as the official generation path assigns them to ``codes`` (T, G).
+
+    A custom_voice model: ``speaker`` (a name of ``spk_id``) instead of ``speaker_embedding``, and
+    optionally ``instruct_ids``, as ``generate_custom_voice`` passes them to ``generate``."""
     talker = model.talker
     eos = model.config.talker_config.codec_eos_token_id
     T = codes.shape[0]
@@ -71,16 +81,23 @@ def official_forced_nll(
     talker.generate = talker_generate
     talker.code_predictor.generate = predictor_generate
     try:
+        if speaker is None:
+            prompt = {
+                "voice_clone_prompt": {
+                    "ref_spk_embedding": [speaker_embedding],
+                    "x_vector_only_mode": [True],
+                    "icl_mode": [False],
+                    "ref_code": None,
+                }
+            }
+        else:
+            instruct = None if not instruct_ids else torch.tensor([instruct_ids])
+            prompt = {"speakers": [speaker], "instruct_ids": [instruct]}
         model.generate(
             input_ids=[torch.tensor([text_ids])],
             languages=[language],
             non_streaming_mode=True,
-            voice_clone_prompt={
-                "ref_spk_embedding": [speaker_embedding],
-                "x_vector_only_mode": [True],
-                "icl_mode": [False],
-                "ref_code": None,
-            },
+            **prompt,
             subtalker_dosample=False,
             do_sample=False,
         )

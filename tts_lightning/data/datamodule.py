@@ -38,6 +38,7 @@ from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, Talker
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
+from tts_lightning.model.custom_voice import is_custom_voice, speaker_codec_ids, spoken_language, tokenize_instructs
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
 
@@ -298,7 +299,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         speaker_index = {n: i for i, n in enumerate(names)}
         splits: dict[str, list[PreparedItem]] = {"train": [], "val": []}
         text_ids = tokenize_texts(tokenizer, [e.text for e in index.clips])
-        for e, tokens in zip(index.clips, text_ids):
+        instruct_ids = tokenize_instructs(tokenizer, [e.instruct for e in index.clips])
+        talker = info.config["talker_config"]
+        # From a custom_voice model each speaker is a codec-embedding row (tts_lightning.model.custom_voice).
+        codec_ids = speaker_codec_ids(talker, names) if is_custom_voice(info.config) else None
+        for e, tokens, instruct in zip(index.clips, text_ids, instruct_ids):
             codes = cache_dir / e.codes
             if not codes.is_file():
                 raise FileNotFoundError(f"{codes} (codes of {e.audio}) is missing; run prepare again")
@@ -308,12 +313,13 @@ class SpeakerClipsDataModule(LightningDataModule):
                     codes=codes,
                     frames=e.frames,
                     speaker_index=speaker_index[e.speaker],
-                    language=e.language,
+                    language=e.language if codec_ids is None else spoken_language(talker, e.speaker, e.language),
                     key=e.audio,
+                    instruct_ids=instruct,
                 )
             )
-        self.train_dataset = SpeakerClipsDataset(splits["train"], ids)
-        self.val_dataset = SpeakerClipsDataset(splits["val"], ids)
+        self.train_dataset = SpeakerClipsDataset(splits["train"], ids, speaker_codec_ids=codec_ids)
+        self.val_dataset = SpeakerClipsDataset(splits["val"], ids, speaker_codec_ids=codec_ids)
         self._speaker_table = table.embeddings
         self._collate = TalkerCollate(table.embeddings, ids.tts_pad)
         self._index = index

@@ -13,7 +13,14 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from tts_lightning.data.codec_cache import load_codes
-from tts_lightning.model.sequence import SpecialIds, TalkerBatch, TalkerSequence, build_sequence, collate
+from tts_lightning.model.sequence import (
+    SpecialIds,
+    TalkerBatch,
+    TalkerSequence,
+    build_custom_voice_sequence,
+    build_sequence,
+    collate,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class PreparedItem:
     speaker_index: int  # row of the speaker table
     language: str = "auto"
     key: str = ""  # a stable name for the clip (its audio path), for logs
+    instruct_ids: tuple[int, ...] = ()  # the tokenised instruct (custom_voice models), none when empty
 
 
 class ClipExample(NamedTuple):
@@ -38,17 +46,35 @@ class SpeakerClipsDataset(Dataset):
     frame) and its speaker index. Codes stored as files are read on access, so worker processes
     do not copy a whole corpus of codes."""
 
-    def __init__(self, items: Sequence[PreparedItem], ids: SpecialIds, *, with_speaker: bool = True) -> None:
+    def __init__(
+        self,
+        items: Sequence[PreparedItem],
+        ids: SpecialIds,
+        *,
+        with_speaker: bool = True,
+        speaker_codec_ids: Sequence[int] | None = None,
+    ) -> None:
         self.items = list(items)
         self.ids = ids
         self.with_speaker = with_speaker
+        # From a custom_voice model: speaker index -> the codec id of its row (the custom_voice layout).
+        self.speaker_codec_ids = None if speaker_codec_ids is None else list(speaker_codec_ids)
         # Prefill lengths depend only on the text and language; computed once for the sampler.
-        self._prefill = [
-            build_sequence(
-                ids, list(it.text_ids), None, language=it.language, with_speaker=with_speaker
-            ).text_ids.shape[0]
-            for it in self.items
-        ]
+        self._prefill = [self._sequence(it, None).text_ids.shape[0] for it in self.items]
+
+    def _sequence(self, item: PreparedItem, codes: Tensor | None) -> TalkerSequence:
+        if self.speaker_codec_ids is None:
+            return build_sequence(
+                self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker
+            )
+        return build_custom_voice_sequence(
+            self.ids,
+            list(item.text_ids),
+            codes,
+            speaker_id=self.speaker_codec_ids[item.speaker_index],
+            instruct_ids=item.instruct_ids,
+            language=item.language,
+        )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -72,10 +98,7 @@ class SpeakerClipsDataset(Dataset):
                 f"codes of {item.key or index} have {codes.shape[0]} frames, the prepared index says "
                 f"{item.frames}; the cache changed after prepare, run prepare again"
             )
-        seq = build_sequence(
-            self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker
-        )
-        return ClipExample(seq, item.speaker_index)
+        return ClipExample(self._sequence(item, codes), item.speaker_index)
 
 
 class TalkerCollate:
