@@ -317,14 +317,10 @@ def codec_row_table(cache_dir: str | os.PathLike, info: PretrainedInfo, names: S
     table holds zeros (nothing goes into the speaker slot on top of the row)."""
     hidden = int(info.config["talker_config"]["hidden_size"])
     path = Path(cache_dir) / "speakers" / "codec_rows.pt"
-    data = {
-        "version": SPEAKER_CACHE_VERSION,
-        "speakers": list(names),
-        "embeddings": torch.zeros(len(names), hidden),
-        "keys": [CODEC_ROW_KEY] * len(names),
-    }
+    embeddings, keys = torch.zeros(len(names), hidden), [CODEC_ROW_KEY] * len(names)
+    data = {"version": SPEAKER_CACHE_VERSION, "speakers": list(names), "embeddings": embeddings, "keys": keys}
     atomic_write(path, lambda fh: torch.save(data, fh))
-    return SpeakerTable(list(names), data["embeddings"], list(data["keys"]), path)
+    return SpeakerTable(list(names), embeddings, keys, path)
 
 
 def load_speaker_table(path: str | os.PathLike, names: Sequence[str], keys: Sequence[str]) -> SpeakerTable:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 CODEC_EMBEDDING_KEY = "talker.model.codec_embedding.weight"
+TRAINABLE_TYPES = ("base", "custom_voice")  # the tts_model_type a run may start from
 
 
 def is_custom_voice(config: Mapping[str, Any]) -> bool:
@@ -119,3 +120,37 @@ def initial_rows(weight: torch.Tensor, talker_config: Mapping[str, Any], speaker
         return {}
     mean = weight[sorted(built_in.values())].float().mean(0)
     return {i: mean for i in new}
+
+
+def custom_voice_speakers(info, speakers: Sequence[str], adapter: Any = None) -> list[int] | None:
+    """The codec ids of a run's speakers when it starts from a custom_voice model, else None.
+    Raises `ConfigError` for what the layout does not offer."""
+    from tts_lightning.errors import ConfigError
+
+    if not is_custom_voice(info.config):
+        return None
+    lowered = [s.lower() for s in speakers]
+    if len(set(lowered)) != len(lowered):
+        raise ConfigError(
+            f"speaker names {list(speakers)} clash after lower-casing (generation looks speakers up in "
+            "lower case); rename them in the manifest"
+        )
+    if adapter is not None:
+        raise ConfigError(
+            f"model.adapter: LoRA is not offered from a custom_voice model ({info.path}): its speakers are "
+            "codec-embedding rows that train in full; train without model.adapter"
+        )
+    return speaker_codec_ids(info.config["talker_config"], speakers)
+
+
+def without_decay_of_codec_embedding(named_parameters) -> list[dict[str, Any]]:
+    """AdamW parameter groups: the talker's codec embedding without weight decay, the rest as set.
+    Names may carry FSDP1's ``_fsdp_wrapped_module.`` (``use_orig_params``)."""
+    rows: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
+    for name, param in named_parameters:
+        if not param.requires_grad:
+            continue
+        plain = name.replace("_fsdp_wrapped_module.", "")
+        (rows if plain.endswith(CODEC_EMBEDDING_KEY) else rest).append(param)
+    return [{"params": rest}, {"params": rows, "weight_decay": 0.0}]
