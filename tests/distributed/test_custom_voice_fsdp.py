@@ -39,7 +39,6 @@ def workdir(tmp_path_factory):
     lines = []
     for i, line in enumerate((root / "demo" / "train.jsonl").read_text().splitlines()):
         record = json.loads(line)
-        record.pop("ref_audio", None)  # a custom_voice model has no speaker encoder to read it
         if int(record["audio"][-8:-5]) >= 8:
             record["speaker"] = TRAINED
         if i % 2:
@@ -49,8 +48,23 @@ def workdir(tmp_path_factory):
     return root
 
 
+# Samples after each validation, spoken with the speakers' rows (on_error raise: a failure fails the run).
+SAMPLES = json.dumps(
+    {
+        "class_path": "tts_lightning.callbacks.SpeakerSamplesCallback",
+        "init_args": {
+            "texts": ["Hi."],
+            "max_new_tokens": 8,
+            "similarity": False,
+            "baseline": False,
+            "on_error": "raise",
+        },
+    }
+)
+
+
 def _fit(cli, workdir, tiny_custom_voice_dir, run, *extra, check=True):
-    steps = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY)
+    steps = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY, f"--trainer.callbacks+={SAMPLES}")
     return cli(*fit_args(TINY_CPU, workdir, tiny_custom_voice_dir, run, *steps, *extra), cwd=workdir, check=check)
 
 
@@ -78,6 +92,16 @@ def test_rows_train_and_built_in_rows_are_kept(fitted, tiny_custom_voice_dir):
     assert not torch.equal(rows[ids["alice"]], rows[ids["bob"]])  # one start, parted by their clips
     for name in KEPT:  # never in a batch: bit-equal, weight decay included
         assert torch.equal(rows[info.speakers[name]], start[info.speakers[name]]), name
+
+
+def test_samples_speak_with_every_speaker(fitted, workdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = list((workdir / "straight").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events.parent), size_guidance={"audio": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["audio"]) == [f"samples/{s}/0" for s in sorted([*NEW, TRAINED])]
+    assert [e.step for e in acc.Audio("samples/alice/0")] == [EVERY, STEPS]
 
 
 def test_export_speaks_with_every_speaker_with_and_without_instruct(fitted, workdir, tiny_custom_voice_dir):
