@@ -104,13 +104,18 @@ def test_samples_speak_with_every_speaker(fitted, workdir):
     assert [e.step for e in acc.Audio("samples/alice/0")] == [EVERY, STEPS]
 
 
-def test_export_speaks_with_every_speaker_with_and_without_instruct(fitted, workdir, tiny_custom_voice_dir):
+def test_export_speaks_with_every_speaker_with_and_without_instruct(fitted, workdir, tiny_custom_voice_dir, tiny_dir):
     from qwen_tts import Qwen3TTSModel
     from safetensors.torch import load_file
 
     from tts_lightning.model.export import export_custom_voice
+    from tts_lightning.model.pretrained import PretrainedError
 
-    out = export_custom_voice(newest_last(workdir / "straight"), workdir / "voice", dtype="fp32")
+    ckpt = newest_last(workdir / "straight")
+    with pytest.raises(PretrainedError, match="tts_model_type is 'base', but 'custom_voice' is required"):
+        export_custom_voice(ckpt, workdir / "wrong", pretrained=tiny_dir)
+    assert not (workdir / "wrong").exists()
+    out = export_custom_voice(ckpt, workdir / "voice", dtype="fp32")
     model = Qwen3TTSModel.from_pretrained(str(out))
     expected = {"vivian", "ryan", "serena", "alice", "bob"}
     assert set(model.get_supported_speakers()) == expected

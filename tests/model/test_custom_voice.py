@@ -69,3 +69,20 @@ def test_instructs_need_a_custom_voice_model(tiny_dir, tmp_path):
     data = SpeakerClipsDataModule(str(tiny_dir), str(tmp_path / "train.jsonl"), val_fraction=0.0)
     with pytest.raises(ConfigError, match=r"train.jsonl:1: 'instruct' needs a custom_voice model as data.pretrained"):
         data.prepare_data()
+
+
+def test_instructs_are_refused_where_generation_drops_them(tiny_custom_voice_dir, tmp_path):
+    """The 0.6B CustomVoice (tts_model_size "0b6"): generate_custom_voice ignores instructs."""
+    from tts_lightning import SpeakerClipsDataModule
+    from tts_lightning.data.demo import demo_dir
+
+    small = shutil.copytree(tiny_custom_voice_dir, tmp_path / "0b6")
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "tts_model_size": "0b6"}))
+    src = demo_dir() / "clips" / "alice" / "alice_000"
+    shutil.copy(src.with_suffix(".flac"), tmp_path / "a.flac")
+    record = {"audio": "a.flac", "text": src.with_suffix(".txt").read_text().strip(), "instruct": "Slowly."}
+    (tmp_path / "train.jsonl").write_text(json.dumps(record) + "\n")
+    data = SpeakerClipsDataModule(str(small), str(tmp_path / "train.jsonl"), val_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"'instruct' is ignored by .*tts_model_size '0b6'"):
+        data.prepare_data()

@@ -22,18 +22,28 @@ from tts_lightning.model.sequence import tokenize_text
 
 TOLERANCE = 1e-4
 # (demo clip, speaker, language, instruct): a new speaker with an instruct, a built-in one named
-# in another case without, a new one without, a built-in one with an instruct.
+# in another case without, a new one without, a built-in one with an instruct, and a built-in
+# dialect speaker (its dialect replaces "auto" as the language tag, as in generation).
 CLIPS = (
     ("alice/alice_000", "alice", "english", "Speak slowly, in a warm voice."),
     ("bob/bob_003", "Vivian", "auto", ""),
     ("bob/bob_001", "bob", "auto", ""),
     ("alice/alice_002", "ryan", "auto", "Whisper."),
+    ("bob/bob_005", "serena", "auto", ""),
 )
+DIALECT = "sichuan_dialect"
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_custom_voice_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("cv-parity")
+    # The tiny CustomVoice model with serena speaking a dialect, as some released speakers do.
+    tiny_custom_voice_dir = shutil.copytree(tiny_custom_voice_dir, root / "model")
+    config = json.loads((tiny_custom_voice_dir / "config.json").read_text())
+    talker = config["talker_config"]
+    talker["codec_language_id"][DIALECT] = talker["vocab_size"] - 1024 + 20
+    talker["spk_is_dialect"]["serena"] = DIALECT
+    (tiny_custom_voice_dir / "config.json").write_text(json.dumps(config))
     lines = []
     for clip, speaker, language, instruct in CLIPS:
         src = demo_dir() / "clips" / clip
@@ -87,6 +97,8 @@ def test_batch_mixes_instructs_and_padding(setup):
     _, data, batch, _ = setup
     assert len(set(batch.attention_mask.sum(1).tolist())) == len(CLIPS)  # all lengths differ: padded
     assert sum(bool(it.instruct_ids) for it in data.train_dataset.items) == 2
+    serena = data.speaker_names.index("serena")
+    assert [it.language for it in data.train_dataset.items if it.speaker_index == serena] == [DIALECT]
     assert not batch.speaker_mask.any()  # the speaker is a codec row, nothing added on top
 
 
