@@ -86,3 +86,15 @@ def test_instructs_are_refused_where_generation_drops_them(tiny_custom_voice_dir
     data = SpeakerClipsDataModule(str(small), str(tmp_path / "train.jsonl"), val_fraction=0.0)
     with pytest.raises(ConfigError, match=r"'instruct' is ignored by .*tts_model_size '0b6'"):
         data.prepare_data()
+
+
+def test_decay_groups_need_the_codec_embedding_by_name():
+    """FSDP1 with ``use_orig_params: false`` names only flat parameters: refused, not decayed."""
+    from tts_lightning.model.custom_voice import without_decay_of_codec_embedding
+
+    rows, other = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(2))
+    named = [(f"model._fsdp_wrapped_module.{CODEC_EMBEDDING_KEY}", rows), ("model.talker.codec_head.weight", other)]
+    decayed, kept = without_decay_of_codec_embedding(named)
+    assert decayed["params"] == [other] and kept == {"params": [rows], "weight_decay": 0.0}
+    with pytest.raises(ConfigError, match="use_orig_params: true"):
+        without_decay_of_codec_embedding([("model._fsdp_wrapped_module._flat_param", other)])

@@ -153,4 +153,12 @@ def without_decay_of_codec_embedding(named_parameters) -> list[dict[str, Any]]:
             continue
         plain = name.replace("_fsdp_wrapped_module.", "")
         (rows if plain.endswith(CODEC_EMBEDDING_KEY) else rest).append(param)
+    if not rows and rest:  # a flat parameter (FSDP1 use_orig_params: false) hides it: decay would move every row
+        from tts_lightning.errors import ConfigError
+
+        raise ConfigError(
+            f"the codec embedding ({CODEC_EMBEDDING_KEY}) is not among the trainable parameters by name, so "
+            "the built-in speakers' rows cannot be kept out of weight decay: set "
+            "trainer.strategy.init_args.use_orig_params: true (or freeze talker.model.codec_embedding)"
+        )
     return [{"params": rest}, {"params": rows, "weight_decay": 0.0}]

@@ -396,7 +396,7 @@ class Qwen3TTSModule(L.LightningModule):
         # cpu_offload the (sharded) parameters live on the CPU, where the default is right.
         fused = bool(params) and all(p.is_cuda for p in params)
         groups: Any = params
-        if self.speaker_codec_ids is not None:
+        if self.speaker_codec_ids is not None and f"model.{CODEC_EMBEDDING_KEY}" in self.trainable_keys:
             # Weight decay would move every row of the codec embedding at each step: the built-in
             # speakers the run does not train keep their rows bit-equal without it (zero gradient).
             groups = without_decay_of_codec_embedding(self.named_parameters())
