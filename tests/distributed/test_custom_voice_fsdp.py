@@ -160,3 +160,28 @@ def test_resume_from_last_equals_uninterrupted(fitted, cli, workdir, tiny_custom
     assert resumed.state_dict.keys() == fitted.state_dict.keys()
     for key, value in fitted.state_dict.items():
         torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_fsdp2_layout_of_a_model_without_speaker_encoder(tiny_custom_voice_dir):
+    """FSDP2's default groups name the speaker encoder, which a custom_voice model lacks: that
+    group is left out (one gloo rank); any other group that matches nothing is still an error."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from tts_lightning.distributed.fsdp import import_classes
+    from tts_lightning.distributed.fsdp2 import DEFAULT_GROUPS, DEFAULT_LAYERS, apply_fully_shard
+    from tts_lightning.model.loading import build_model
+
+    layers = tuple(import_classes(list(DEFAULT_LAYERS)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = build_model(check_pretrained(tiny_custom_voice_dir), load_weights=False)
+        apply_fully_shard(model, model, layer_classes=layers, groups=DEFAULT_GROUPS, mesh=mesh)
+        assert isinstance(model.talker.model.codec_embedding, FSDPModule) and model.speaker_encoder is None
+        other = build_model(check_pretrained(tiny_custom_voice_dir), load_weights=False)
+        with pytest.raises(ValueError, match=r"FSDP2 group \['talker.nope'\] matches no module"):
+            apply_fully_shard(other, other, layer_classes=layers, groups=[["talker.nope"]], mesh=mesh)
+    finally:
+        dist.destroy_process_group()

@@ -353,6 +353,8 @@ def apply_fully_shard(
         matched = [name for name in names if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
         # the outermost matches only: "speaker_encoder" takes the whole encoder as one unit
         members = [names[n] for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
+        if not members and tuple(globs) == ("speaker_encoder",) and getattr(model, "speaker_encoder", 1) is None:
+            continue  # a custom_voice model has no speaker encoder (tts_lightning.model.custom_voice)
         if not members:
             raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
         fully_shard(members if len(members) > 1 else members[0], **kwargs)
