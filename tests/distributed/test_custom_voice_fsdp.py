@@ -180,8 +180,15 @@ def test_fsdp2_layout_of_a_model_without_speaker_encoder(tiny_custom_voice_dir):
         model = build_model(check_pretrained(tiny_custom_voice_dir), load_weights=False)
         apply_fully_shard(model, model, layer_classes=layers, groups=DEFAULT_GROUPS, mesh=mesh)
         assert isinstance(model.talker.model.codec_embedding, FSDPModule) and model.speaker_encoder is None
+        names = {n for n, _ in model.named_parameters()}
         other = build_model(check_pretrained(tiny_custom_voice_dir), load_weights=False)
         with pytest.raises(ValueError, match=r"FSDP2 group \['talker.nope'\] matches no module"):
             apply_fully_shard(other, other, layer_classes=layers, groups=[["talker.nope"]], mesh=mesh)
     finally:
         dist.destroy_process_group()
+    # The memory planner lays the units out the same way.
+    from tts_lightning.distributed.memory import model_shape
+
+    planned = model_shape(tiny_custom_voice_dir, layout="fsdp2")
+    assert "speaker_encoder" not in {u.name for u in planned.units}
+    assert {n for u in planned.units for n, _ in u.params} == names
