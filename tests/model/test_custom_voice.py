@@ -22,6 +22,8 @@ def test_new_speakers_collide_with_nothing(tiny_custom_voice_dir):
     taken |= set(talker["codec_language_id"].values()) | set(built_in.values())
     assert ids[0] != ids[2] and not {ids[0], ids[2]} & taken
     assert all(talker["vocab_size"] - 1024 <= i < talker["vocab_size"] for i in ids)
+    # Any order of the same speakers gives each name the same row.
+    assert speaker_codec_ids(talker, ["bob", "RYAN", "alice", "Vivian"]) == [ids[2], ids[3], ids[0], ids[1]]
 
 
 def test_module_starts_new_rows_from_the_built_in_ones(tiny_custom_voice_dir):

@@ -57,10 +57,11 @@ def new_speaker_ids(talker_config: Mapping[str, Any], count: int) -> list[int]:
 
 
 def speaker_codec_ids(talker_config: Mapping[str, Any], speakers: Sequence[str]) -> list[int]:
-    """The codec id of each of the run's speakers: a built-in speaker's own id, else a new one
-    (given in the order the new speakers come)."""
+    """The codec id of each of the run's speakers: a built-in speaker's own id, else a new one,
+    given in the sorted order of the new names, so that any order of the same speakers (the data
+    module's, the model's, the checkpoint's) maps each name to the same row."""
     built_in = built_in_speakers(talker_config)
-    new = [s for s in speakers if s.lower() not in built_in]
+    new = sorted((s for s in speakers if s.lower() not in built_in), key=lambda s: (s.lower(), s))
     fresh = dict(zip(new, new_speaker_ids(talker_config, len(new))))
     return [built_in[s.lower()] if s.lower() in built_in else fresh[s] for s in speakers]
 
