@@ -32,17 +32,22 @@ def official_forced_nll(
     model,
     text_ids: list[int],
     codes: torch.Tensor,
-    speaker_embedding: torch.Tensor,
+    speaker_embedding: torch.Tensor | None,
     language: str = "Auto",
     *,
     non_streaming_mode: bool = True,
     ref_ids: list[int] | None = None,
     ref_code: torch.Tensor | None = None,
+    speaker: str | None = None,
+    instruct_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NLL per talker target (T+1: code 0 of each frame, then eos) and per code-predictor target
     (T, G-1), as the official generation path assigns them to ``codes`` (T, G). With ``ref_ids``
     (the tokenised reference template) and ``ref_code`` (R, G): the ICL prompt, as
-    ``generate_voice_clone(..., x_vector_only_mode=False)`` passes it."""
+    ``generate_voice_clone(..., x_vector_only_mode=False)`` passes it.
+
+    A custom_voice model: ``speaker`` (a name of ``spk_id``) instead of ``speaker_embedding``, and
+    optionally ``instruct_ids``, as ``generate_custom_voice`` passes them to ``generate``."""
     talker = model.talker
     eos = model.config.talker_config.codec_eos_token_id
     T = codes.shape[0]
@@ -82,17 +87,24 @@ def official_forced_nll(
     talker.generate = talker_generate
     talker.code_predictor.generate = predictor_generate
     try:
+        if speaker is None:
+            prompt = {
+                "voice_clone_prompt": {
+                    "ref_spk_embedding": [speaker_embedding],
+                    "x_vector_only_mode": [not icl],
+                    "icl_mode": [icl],
+                    "ref_code": [ref_code] if icl else None,
+                }
+            }
+        else:
+            instruct = None if not instruct_ids else torch.tensor([instruct_ids])
+            prompt = {"speakers": [speaker], "instruct_ids": [instruct]}
         model.generate(
             input_ids=[torch.tensor([text_ids])],
             ref_ids=[torch.tensor([ref_ids])] if icl else None,
             languages=[language],
             non_streaming_mode=non_streaming_mode,
-            voice_clone_prompt={
-                "ref_spk_embedding": [speaker_embedding],
-                "x_vector_only_mode": [not icl],
-                "icl_mode": [icl],
-                "ref_code": [ref_code] if icl else None,
-            },
+            **prompt,
             subtalker_dosample=False,
             do_sample=False,
         )

@@ -86,13 +86,6 @@ def test_memorises_one_clip(tiny_dir, examples):
     assert final < first / 10, (first, final)
 
 
-def test_rejects_non_base_model(tiny_custom_voice_dir):
-    from tts_lightning import PretrainedError
-
-    with pytest.raises(PretrainedError, match="'base' is required"):
-        Qwen3TTSModule(str(tiny_custom_voice_dir))
-
-
 def test_predict_batch_is_typed(tiny_dir):
     """`collate_texts` makes a `PredictBatch` (defaults filled, lengths checked); the tools
     `predict_step` loads stay out of the state dict and are loaded once."""

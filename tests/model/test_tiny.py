@@ -97,7 +97,7 @@ def test_custom_voice_generates(tiny_custom_voice_dir):
     from qwen_tts import Qwen3TTSModel
 
     model = Qwen3TTSModel.from_pretrained(str(tiny_custom_voice_dir))
-    assert set(model.get_supported_speakers()) == {"vivian", "ryan"}
+    assert set(model.get_supported_speakers()) == {"vivian", "ryan", "serena"}
     torch.manual_seed(0)
     wavs, sr = model.generate_custom_voice(text="Good morning.", speaker="Vivian")
     assert sr == 24_000 and wavs[0].size > 0

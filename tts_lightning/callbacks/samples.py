@@ -280,6 +280,11 @@ class SpeakerSamplesCallback(Callback):
         speakers, embeddings = self.facts.speaker_rows(trainer, pl_module)
         if not speakers:
             return None
+        codec_ids = getattr(pl_module, "speaker_codec_ids", None)
+        if codec_ids is not None:  # a custom_voice run: each speaker is its row of the model that speaks
+            weight = cast(Any, model).talker.get_input_embeddings().weight
+            names = list(cast(Any, pl_module).speakers)
+            embeddings = weight[[codec_ids[names.index(s)] for s in speakers]].detach().float()
         text_tokenizer = self._text_tokenizer(pl_module)
         from tts_lightning.model.sequence import tokenize_text
 

@@ -76,7 +76,9 @@ class SpeakerFacts:
                 f"SpeakerSamplesCallback: speakers {sorted(set(self.speakers) - set(names))} "
                 f"are not in this run ({names})",
             )
-        keep = [s for s in wanted if bool(table[names.index(s)].abs().sum() > 0)]
+        # A custom_voice run's speakers are codec rows, all there from the start (the sampler reads them).
+        rows = getattr(pl_module, "speaker_codec_ids", None) is not None
+        keep = [s for s in wanted if rows or bool(table[names.index(s)].abs().sum() > 0)]
         if len(keep) != len(wanted):
             self.warn(
                 "empty", f"SpeakerSamplesCallback: no embedding yet for {sorted(set(wanted) - set(keep))}; not sampled"

@@ -39,6 +39,8 @@ from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSetti
 from tts_lightning.data.references import references
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
+from tts_lightning.errors import ConfigError
+from tts_lightning.model.custom_voice import is_custom_voice, speaker_codec_ids, spoken_language, tokenize_instructs
 from tts_lightning.model.layouts import Reference, SequenceLayout
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
@@ -310,7 +312,13 @@ class SpeakerClipsDataModule(LightningDataModule):
         refs: list[Reference | None] = [None] * len(index.clips)
         if self.layout.needs_reference:
             refs = list(references(index.clips, cache_dir, tokenizer, self.seed))
-        for e, tokens, ref in zip(index.clips, text_ids, refs):
+        instruct_ids = tokenize_instructs(tokenizer, [e.instruct for e in index.clips])
+        talker = info.config["talker_config"]
+        # From a custom_voice model each speaker is a codec-embedding row (tts_lightning.model.custom_voice).
+        codec_ids = speaker_codec_ids(talker, names) if is_custom_voice(info.config) else None
+        if codec_ids is not None and not self.layout.is_default:
+            raise ConfigError(f"data.layout {self.layout} is not proven from a custom_voice model; use a *-Base one")
+        for e, tokens, ref, instruct in zip(index.clips, text_ids, refs, instruct_ids):
             codes = cache_dir / e.codes
             if not codes.is_file():
                 raise FileNotFoundError(f"{codes} (codes of {e.audio}) is missing; run prepare again")
@@ -320,13 +328,14 @@ class SpeakerClipsDataModule(LightningDataModule):
                     codes=codes,
                     frames=e.frames,
                     speaker_index=speaker_index[e.speaker],
-                    language=e.language,
+                    language=e.language if codec_ids is None else spoken_language(talker, e.speaker, e.language),
                     key=e.audio,
                     reference=ref,
+                    instruct_ids=instruct,
                 )
             )
-        self.train_dataset = SpeakerClipsDataset(splits["train"], ids, layout=self.layout)
-        self.val_dataset = SpeakerClipsDataset(splits["val"], ids, layout=self.layout)
+        self.train_dataset = SpeakerClipsDataset(splits["train"], ids, layout=self.layout, speaker_codec_ids=codec_ids)
+        self.val_dataset = SpeakerClipsDataset(splits["val"], ids, layout=self.layout, speaker_codec_ids=codec_ids)
         self._speaker_table = table.embeddings
         self._collate = TalkerCollate(table.embeddings, ids.tts_pad)
         self._index = index

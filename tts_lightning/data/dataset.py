@@ -14,7 +14,14 @@ from torch.utils.data import Dataset
 
 from tts_lightning.data.codec_cache import load_codes
 from tts_lightning.model.layouts import Reference, SequenceLayout, build_layout_sequence
-from tts_lightning.model.sequence import SpecialIds, TalkerBatch, TalkerSequence, build_sequence, collate
+from tts_lightning.model.sequence import (
+    SpecialIds,
+    TalkerBatch,
+    TalkerSequence,
+    build_custom_voice_sequence,
+    build_sequence,
+    collate,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class PreparedItem:
     language: str = "auto"
     key: str = ""  # a stable name for the clip (its audio path), for logs
     reference: Reference | None = None  # the ICL layout's reference clip
+    instruct_ids: tuple[int, ...] = ()  # the tokenised instruct (custom_voice models), none when empty
 
 
 def _codes(c: Tensor | Path) -> Tensor:
@@ -51,6 +59,7 @@ class SpeakerClipsDataset(Dataset):
         *,
         with_speaker: bool = True,
         layout: SequenceLayout | None = None,
+        speaker_codec_ids: Sequence[int] | None = None,
     ) -> None:
         self.items = list(items)
         self.ids = ids
@@ -58,11 +67,25 @@ class SpeakerClipsDataset(Dataset):
         self.layout = layout if layout is not None and not layout.is_default else None
         if self.layout is not None and not with_speaker:
             raise ValueError(f"layout {self.layout} always has a speaker slot (with_speaker=False is the default's)")
+        # From a custom_voice model: speaker index -> the codec id of its row (the custom_voice layout,
+        # proven non-streaming without a reference only).
+        self.speaker_codec_ids = None if speaker_codec_ids is None else list(speaker_codec_ids)
+        if self.speaker_codec_ids is not None and self.layout is not None:
+            raise ValueError(f"layout {self.layout} is not proven from a custom_voice model")
         # Prefill lengths depend only on the text, language (and reference length); computed once for the sampler.
         self._prefill = [self._build(it, None, None).text_ids.shape[0] for it in self.items]
 
     def _build(self, item: PreparedItem, codes: Tensor | None, ref_codes: Tensor | None) -> TalkerSequence:
         """The item's sequence; ``ref_codes`` None stands for zeros of the reference's length."""
+        if self.speaker_codec_ids is not None:
+            return build_custom_voice_sequence(
+                self.ids,
+                list(item.text_ids),
+                codes,
+                speaker_id=self.speaker_codec_ids[item.speaker_index],
+                instruct_ids=item.instruct_ids,
+                language=item.language,
+            )
         if self.layout is None:
             return build_sequence(
                 self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker

@@ -115,6 +115,8 @@ class ClipRecord:
     audio_codes: tuple[tuple[int, ...], ...] | None = None
     # A long recording to cut at these subtitles' cues (tts_lightning.data.segments); text is empty.
     subtitles: Path | None = None
+    # A style instruction, laid out as generate_custom_voice(instruct=...) does (custom_voice models).
+    instruct: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,10 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
                 Rejection(source, audio, "malformed_entry", "'speaker' and 'language' must be non-empty strings")
             )
             continue
+        instruct = entry.get("instruct")
+        if instruct is not None and not isinstance(instruct, str):
+            rejected.append(Rejection(source, audio, "malformed_entry", "'instruct' must be a string"))
+            continue
         codes = None
         if entry.get("audio_codes") is not None:
             try:
@@ -240,6 +246,7 @@ def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | Non
                 language=language or "auto",
                 audio_codes=codes,
                 subtitles=subtitles,
+                instruct=(instruct or "").strip(),
             )
         )
     return ManifestResult(records, rejected)

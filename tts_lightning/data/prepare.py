@@ -41,7 +41,7 @@ from tts_lightning.data.selection import (
     reject_training_duplicates,
     reject_unknown_languages,
 )
-from tts_lightning.data.speakers import compute_speaker_table, embed_speakers, select_references
+from tts_lightning.data.speakers import codec_row_table, compute_speaker_table, embed_speakers, select_references
 from tts_lightning.data.subtitles import subtitle_speakers
 from tts_lightning.data.validation import AcceptedClip, FileCheck, ValidationConfig, ValidationReport, files_to_check
 from tts_lightning.data.validation_memo import (
@@ -52,6 +52,7 @@ from tts_lightning.data.validation_memo import (
     validation_memo_path,
 )
 from tts_lightning.files import atomic_write_json
+from tts_lightning.model.custom_voice import check_instructs, is_custom_voice
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 from tts_lightning.model.sequence import SpecialIds
 
@@ -258,6 +259,7 @@ class DataPreparer:
         clips, val_hashes = choose_clips(
             train, val, speakers, val_fraction=s.val_fraction, seed=s.seed, val_manifest=s.val_manifest
         )
+        check_instructs(self.info, clips)
         skipped = len(train.accepted) + (len(val.accepted) if val else 0) - len(clips)
         if skipped and write_report:
             rank_zero_info(f"{skipped} accepted clip(s) of other speakers are not used (speakers={speakers})")
@@ -290,6 +292,8 @@ class DataPreparer:
         """Compute the embeddings of ``speakers`` that the speaker table lacks, each into a file
         that `write_index` takes instead of computing it: how the ranks of a run share the work."""
         s = self.settings
+        if is_custom_voice(self.info.config):
+            return  # speakers are codec rows of the model (codec_row_table): nothing to embed
         embed_speakers(
             self.cache_dir,
             self.info,
@@ -305,14 +309,17 @@ class DataPreparer:
         header is checked as its length is read: `CacheEntryError` names a bad one)."""
         s = self.settings
         references = select_references(plan.clips, plan.speakers, s.num_reference_clips)
-        table = compute_speaker_table(
-            self.cache_dir,
-            self.info,
-            references,
-            normalize=s.normalize,
-            trim_silence=s.trim_silence,
-            device=s.prepare_device or "cpu",
-        )
+        if is_custom_voice(self.info.config):
+            table = codec_row_table(self.cache_dir, self.info, plan.speakers)
+        else:
+            table = compute_speaker_table(
+                self.cache_dir,
+                self.info,
+                references,
+                normalize=s.normalize,
+                trim_silence=s.trim_silence,
+                device=s.prepare_device or "cpu",
+            )
         index = build_index(plan, self.codec_cache(), table, references, self.index_settings())
         atomic_write_json(self.prepared_path, index.to_json())
         n_clips, n_val = len(index.clips), len(index.split("val"))

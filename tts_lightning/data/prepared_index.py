@@ -42,6 +42,7 @@ class PreparedClip:
     frames: int
     codes: str
     split: Literal["train", "val"]
+    instruct: str = ""  # written only when set: an index without instructs keeps its bytes
 
 
 @dataclass
@@ -64,7 +65,11 @@ class PreparedIndex:
         return [c for c in self.clips if c.split == name]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for clip in data["clips"]:
+            if not clip["instruct"]:
+                del clip["instruct"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PreparedIndex:
@@ -89,6 +94,7 @@ class PreparedIndex:
                     frames=int(c["frames"]),
                     codes=str(c["codes"]),
                     split="val" if c["split"] == "val" else "train",
+                    instruct=str(c.get("instruct") or ""),
                 )
                 for c in data["clips"]
             ],
@@ -110,6 +116,7 @@ def _prepared_clip(c: AcceptedClip, plan: Plan, cache: CodecCache) -> PreparedCl
         frames=check_codes_header(cache.cache_dir / codes_rel, cache.num_code_groups)[0],
         codes=codes_rel,
         split="val" if c.content_hash in plan.val_hashes else "train",
+        instruct=c.record.instruct,
     )
 
 

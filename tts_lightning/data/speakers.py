@@ -308,6 +308,21 @@ def compute_speaker_table(
     return SpeakerTable(names, torch.stack(rows).float(), keys, path)
 
 
+CODEC_ROW_KEY = "codec-row"
+
+
+def codec_row_table(cache_dir: str | os.PathLike, info: PretrainedInfo, names: Sequence[str]) -> SpeakerTable:
+    """The table of a run from a ``custom_voice`` model, which has no speaker encoder: its speakers
+    are codec-embedding rows that train with the model (`tts_lightning.model.custom_voice`), so the
+    table holds zeros (nothing goes into the speaker slot on top of the row)."""
+    hidden = int(info.config["talker_config"]["hidden_size"])
+    path = Path(cache_dir) / "speakers" / "codec_rows.pt"
+    embeddings, keys = torch.zeros(len(names), hidden), [CODEC_ROW_KEY] * len(names)
+    data = {"version": SPEAKER_CACHE_VERSION, "speakers": list(names), "embeddings": embeddings, "keys": keys}
+    atomic_write(path, lambda fh: torch.save(data, fh))
+    return SpeakerTable(list(names), embeddings, keys, path)
+
+
 def load_speaker_table(path: str | os.PathLike, names: Sequence[str], keys: Sequence[str]) -> SpeakerTable:
     """Read the rows for ``names`` from a cache file, checking each still has the expected key."""
     path = Path(path)

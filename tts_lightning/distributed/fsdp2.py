@@ -58,6 +58,7 @@ from torch import nn
 from tts_lightning.distributed.atomic import AtomicCheckpoints
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, import_classes
 from tts_lightning.distributed.processes import choose_backend, split_cpu_threads
+from tts_lightning.model.parameters import absent_speaker_encoder
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -353,6 +354,8 @@ def apply_fully_shard(
         matched = [name for name in names if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
         # the outermost matches only: "speaker_encoder" takes the whole encoder as one unit
         members = [names[n] for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
+        if not members and absent_speaker_encoder(globs, model):
+            continue
         if not members:
             raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
         fully_shard(members if len(members) > 1 else members[0], **kwargs)

@@ -27,6 +27,7 @@ import torch
 from tts_lightning.errors import UserError
 from tts_lightning.files import staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
+from tts_lightning.model.custom_voice import new_speaker_ids, speaker_codec_ids
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -40,21 +41,11 @@ class ExportError(UserError, ValueError):
 
 
 def _new_speaker_ids(talker_config: dict, count: int) -> list[int]:
-    """Unused codec ids for new speakers: 3000, 3001, ... on the released models (vocab 3072), the
-    same place (vocab - 72) on smaller vocabularies; never an id a special token or speaker uses."""
-    vocab = int(talker_config["vocab_size"])
-    used = {v for k, v in talker_config.items() if k.startswith("codec_") and isinstance(v, int)}
-    used |= set((talker_config.get("codec_language_id") or {}).values())
-    used |= set((talker_config.get("spk_id") or {}).values())
-    ids: list[int] = []
-    candidate = vocab - 72
-    while len(ids) < count:
-        if candidate >= vocab:
-            raise ExportError(f"no free codec id left for {count} new speakers (vocab {vocab})")
-        if candidate not in used:
-            ids.append(candidate)
-        candidate += 1
-    return ids
+    """Unused codec ids for new speakers (`tts_lightning.model.custom_voice.new_speaker_ids`)."""
+    try:
+        return new_speaker_ids(talker_config, count)
+    except UserError as exc:
+        raise ExportError(str(exc)) from None
 
 
 class _LoRASource:
@@ -168,8 +159,14 @@ def export_custom_voice(
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
-    speakers, embeddings = _speaker_table(reader, ckpt)
-    info, config, new_ids = _custom_voice_config(reader, ckpt, pretrained, speakers, dtype)
+    rows = reader.hyper_parameters.get("speaker_codec_ids")
+    if rows is None:  # from a Base model: the speakers' x-vectors become new codec rows
+        speakers, embeddings = _speaker_table(reader, ckpt)
+        info, config, new_ids = _custom_voice_config(reader, ckpt, pretrained, speakers, dtype)
+        speaker_rows = dict(zip(new_ids, embeddings))
+    else:  # from a CustomVoice model: the trained rows are in the weights already
+        info, config = _kept_voices_config(reader, ckpt, pretrained, [int(r) for r in rows], dtype)
+        speaker_rows = {}
 
     target = DTYPES[dtype]
     adapter = _adapter_settings(reader.hyper_parameters)
@@ -185,7 +182,7 @@ def export_custom_voice(
     with staged_directory(out) as tmp:
         _copy_pretrained_files(info.path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_weights(tmp, source, names, groups, target, speaker_rows=dict(zip(new_ids, embeddings)))
+        _write_weights(tmp, source, names, groups, target, speaker_rows=speaker_rows)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -297,6 +294,29 @@ def _custom_voice_config(
     talker["spk_is_dialect"] = {**(talker.get("spk_is_dialect") or {}), **{s: False for s in speakers}}
     config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
     return info, config, new_ids
+
+
+def _kept_voices_config(
+    reader: CheckpointReader, ckpt: str | os.PathLike, pretrained: str | os.PathLike | None, rows: list[int], dtype: str
+) -> tuple[PretrainedInfo, dict]:
+    """The ``config.json`` of a run from a custom_voice model: its built-in speakers and the run's
+    speakers at the codec ids the run trained (``hyper_parameters.speaker_codec_ids``)."""
+    speakers = [str(s).lower() for s in reader.hyper_parameters.get("speakers") or []]
+    source = pretrained or reader.hyper_parameters.get("pretrained")
+    if source is None:
+        raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
+    info = check_pretrained(source, require_type="custom_voice")
+    config = json.loads((info.path / "config.json").read_text())
+    talker = config["talker_config"]
+    if not speakers or len(rows) != len(speakers) or rows != speaker_codec_ids(talker, speakers):
+        raise ExportError(
+            f"{ckpt}: its speakers {speakers} do not sit at codec ids {rows} of {info.path}; export with the "
+            "custom_voice model the run started from (--pretrained)"
+        )
+    talker["spk_id"] = {**(talker.get("spk_id") or {}), **dict(zip(speakers, rows))}
+    talker["spk_is_dialect"] = {s: False for s in speakers} | (talker.get("spk_is_dialect") or {})
+    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
+    return info, config
 
 
 def _copy_pretrained_files(pretrained: Path, tmp: Path) -> None:

@@ -103,6 +103,9 @@ class MetaWeights:
         self.dtype = dtype
         self.frozen_dtype = frozen_dtype or dtype  # parameters with requires_grad=False (LoRA's base)
         self.adapter_seed = adapter_seed
+        # Rows replaced as they are read, {parameter name: {row: value}} (a custom_voice run's new
+        # speakers: `tts_lightning.model.custom_voice.initial_rows`).
+        self.row_overrides: dict[str, dict[int, torch.Tensor]] = {}
         self.names = {module: name for name, module in model.named_modules()}
         # peft LoRA layers keep the base weight at `<layer>.base_layer.weight`; their adapters are
         # not in the checkpoint and are initialised instead (`tts_lightning.model.lora.init_adapter`).
@@ -144,6 +147,8 @@ class MetaWeights:
                 init_adapter(key, value, self.adapter_seed)
             else:
                 value.copy_(self.reader.read(checkpoint_key(key)))
+                for row, row_value in self.row_overrides.get(checkpoint_key(key), {}).items():
+                    value[row] = row_value
         return value
 
     def cast_frozen(self, model: nn.Module) -> int:

@@ -16,6 +16,13 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from tts_lightning.errors import ConfigError
 from tts_lightning.hparams import HParam
+from tts_lightning.model.custom_voice import (
+    CODEC_EMBEDDING_KEY,
+    TRAINABLE_TYPES,
+    custom_voice_speakers,
+    initial_rows,
+    without_decay_of_codec_embedding,
+)
 from tts_lightning.model.generation import (
     SAMPLE_RATE,
     PredictBatch,
@@ -46,7 +53,9 @@ class Qwen3TTSModule(L.LightningModule):
     """Talker + code-predictor fine-tuning with the loss of `tts_lightning.model.loss`.
 
     Args:
-        pretrained: a Qwen3-TTS 12 Hz *Base* directory or hub id (the tiny model works too).
+        pretrained: a Qwen3-TTS 12 Hz *Base* or *CustomVoice* directory or hub id (the tiny models
+            work too). From a CustomVoice model its speakers are kept, and a speaker of ``speakers``
+            named like one of them trains that speaker (`tts_lightning.model.custom_voice`).
         speakers: the run's speaker names, in the order of the data module's speaker indices.
         learning_rate: peak AdamW learning rate. Low rates keep the base model's speaker
             similarity; watch ``val/speaker_similarity`` to pick a checkpoint.
@@ -101,7 +110,7 @@ class Qwen3TTSModule(L.LightningModule):
         self.strict_loading = self.adapter is None
         self.frozen_keys: frozenset[str] = frozenset()  # "model.<name>" of frozen parameters
         self.trainable_keys: frozenset[str] = frozenset()
-        info = check_pretrained(pretrained, require_type="base")  # fail before any process spawns
+        info = check_pretrained(pretrained, require_type=TRAINABLE_TYPES)  # fail before any process spawns
         talker_cfg = info.config["talker_config"]
         self.num_code_groups = int(talker_cfg["num_code_groups"])
         self.model: nn.Module | None = None
@@ -109,6 +118,11 @@ class Qwen3TTSModule(L.LightningModule):
         self.wrap_trainable_leaves = False  # set by configure_model with an adapter (see there)
         self._predict_tools: PredictTools | None = None  # loaded by predict_step on first use
         self.speakers = list(speakers or [])
+        # From a custom_voice model each speaker is a codec-embedding row (tts_lightning.model.custom_voice);
+        # the ids go into the checkpoint, so that export names the same rows.
+        self.speaker_codec_ids = custom_voice_speakers(info, self.speakers, self.adapter)
+        if self.speaker_codec_ids is not None:
+            self.hparams["speaker_codec_ids"] = list(self.speaker_codec_ids)
         # The fp32 speaker embeddings the run trains with, saved in every checkpoint so that export
         # writes exactly these vectors into the new speakers' codec-embedding rows.
         self.register_buffer("speaker_embeddings", torch.zeros(len(self.speakers), int(talker_cfg["hidden_size"])))
@@ -136,7 +150,7 @@ class Qwen3TTSModule(L.LightningModule):
         read on rank 0 and broadcast) gets them as they are; otherwise they are filled here."""
         if self.model is not None:
             return
-        info = check_pretrained(self.pretrained, require_type="base")
+        info = check_pretrained(self.pretrained, require_type=TRAINABLE_TYPES)
         model = build_empty_model(info, attn_implementation=self.attn_implementation)
         adapter = self.adapter
         if adapter is not None:
@@ -170,6 +184,10 @@ class Qwen3TTSModule(L.LightningModule):
         weights = MetaWeights(
             model, info, adapter_seed=0 if adapter is None else adapter.seed, frozen_dtype=frozen_dtype
         )
+        if self.speaker_codec_ids is not None:  # the new speakers' rows start from the built-in ones
+            weights.row_overrides[CODEC_EMBEDDING_KEY] = initial_rows(
+                weights.reader.read(CODEC_EMBEDDING_KEY), info.config["talker_config"], self.speakers
+            )
         strategy = self._trainer.strategy if self._trainer is not None else None
         if getattr(strategy, "materializes_meta_parameters", False):
             self.pending_weights = weights
@@ -278,6 +296,8 @@ class Qwen3TTSModule(L.LightningModule):
         it returns its input), on tensors made on the strategy's root device (NCCL refuses CPU
         tensors). Without a trainer, only this process's rows are filled."""
         table = self.speaker_embeddings
+        if self.speaker_codec_ids is not None:
+            return  # a custom_voice run: the speakers are codec rows, the table stays empty
         if not len(self.speakers) or bool((table.abs().sum(1) > 0).all()):
             return  # complete: the same on every rank, so every rank skips the collectives together
         strategy = self._trainer.strategy if self._trainer is not None else None
@@ -323,6 +343,9 @@ class Qwen3TTSModule(L.LightningModule):
         table = self.speaker_embeddings
         index = torch.tensor([rows[s] for s in batch.speakers], dtype=torch.long, device=table.device)
         embeddings = table[index].float()
+        if self.speaker_codec_ids is not None:  # the rows themselves: what spk_id selects after export
+            weight = cast(nn.Embedding, cast(Any, self.talker).get_input_embeddings()).weight
+            embeddings = weight[[self.speaker_codec_ids[rows[s]] for s in batch.speakers]].detach().float()
         empty = sorted({s for s, e in zip(batch.speakers, embeddings) if not bool(e.abs().sum() > 0)})
         if empty:
             raise ConfigError(
@@ -372,8 +395,13 @@ class Qwen3TTSModule(L.LightningModule):
         # The fused kernel on GPUs: one launch per step instead of several per parameter. With
         # cpu_offload the (sharded) parameters live on the CPU, where the default is right.
         fused = bool(params) and all(p.is_cuda for p in params)
+        groups: Any = params
+        if self.speaker_codec_ids is not None and f"model.{CODEC_EMBEDDING_KEY}" in self.trainable_keys:
+            # Weight decay would move every row of the codec embedding at each step: the built-in
+            # speakers the run does not train keep their rows bit-equal without it (zero gradient).
+            groups = without_decay_of_codec_embedding(self.named_parameters())
         optimizer = torch.optim.AdamW(
-            params, lr=self.learning_rate, weight_decay=self.weight_decay, fused=fused or None
+            groups, lr=self.learning_rate, weight_decay=self.weight_decay, fused=fused or None
         )
         # Hugging Face's schedules: linear warm-up from 0, then constant or cosine to 0 at the last step.
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup

@@ -83,8 +83,11 @@ def _read_json(path: Path, what: str) -> dict:
         raise PretrainedError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def check_pretrained(name_or_path: str | os.PathLike, *, require_type: str | None = None) -> PretrainedInfo:
-    """Resolve and validate a pretrained directory; raise `PretrainedError` naming what is wrong."""
+def check_pretrained(
+    name_or_path: str | os.PathLike, *, require_type: str | tuple[str, ...] | None = None
+) -> PretrainedInfo:
+    """Resolve and validate a pretrained directory; raise `PretrainedError` naming what is wrong.
+    ``require_type``: the ``tts_model_type`` (or types) accepted."""
     path = resolve_pretrained(name_or_path)
     config = _read_json(path / "config.json", "model config")
     if config.get("model_type") != "qwen3_tts":
@@ -97,7 +100,12 @@ def check_pretrained(name_or_path: str | os.PathLike, *, require_type: str | Non
         raise PretrainedError(
             f"{path / 'config.json'}: tts_model_type is {tts_type!r}, expected one of {TTS_MODEL_TYPES}"
         )
-    if require_type is not None and tts_type != require_type:
+    if isinstance(require_type, tuple) and tts_type not in require_type:
+        raise PretrainedError(
+            f"{path / 'config.json'}: tts_model_type is {tts_type!r}, but one of {require_type} is required"
+            + (" (fine-tuning starts from a *-Base or a *-CustomVoice model)" if "base" in require_type else "")
+        )
+    if isinstance(require_type, str) and tts_type != require_type:
         raise PretrainedError(
             f"{path / 'config.json'}: tts_model_type is {tts_type!r}, but {require_type!r} is required"
             + (" (fine-tuning starts from a *-Base model)" if require_type == "base" else "")

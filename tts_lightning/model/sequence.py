@@ -23,7 +23,7 @@ because the layout is the model's knowledge: it must equal what generation build
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -268,3 +268,34 @@ def embed_batch(talker, batch: TalkerBatch) -> Tensor:
     codec = codec_embedding_sum(talker, batch.codec_ids)
     speaker = batch.speaker_embedding.to(codec.dtype)[:, None, :] * batch.speaker_mask[..., None]
     return text + codec + speaker
+
+
+def build_custom_voice_sequence(
+    ids: SpecialIds,
+    text_ids: list[int],
+    codes: Tensor | None,
+    *,
+    speaker_id: int,
+    instruct_ids: Sequence[int] = (),
+    language: str | None = "auto",
+) -> TalkerSequence:
+    """The sequence ``generate_custom_voice`` builds (non-streaming): the speaker slot holds the
+    speaker's ``codec_embedding`` row (``speaker_id``, a codec id, so the row trains like any
+    codec embedding) and an instruct, when given, comes first as text-only positions
+    (``text_projection`` of the tokenised `tts_lightning.model.custom_voice.instruct_text`, no codec
+    channel, no target). ``language`` is the tag generation uses (a dialect speaker's dialect:
+    `tts_lightning.model.custom_voice.spoken_language`)."""
+    seq = build_sequence(ids, text_ids, codes, language=language, with_speaker=True)
+    seq.codec_ids[seq.speaker_position, 0] = speaker_id
+    n = len(instruct_ids)
+    if not n:
+        return TalkerSequence(seq.text_ids, seq.codec_ids, -1, seq.labels, seq.frame_positions, seq.codes)
+    G = seq.codec_ids.shape[1]
+    return TalkerSequence(
+        text_ids=torch.cat([torch.tensor(list(instruct_ids), dtype=torch.long), seq.text_ids]),
+        codec_ids=torch.cat([torch.full((n, G), NO_CODEC, dtype=torch.long), seq.codec_ids]),
+        speaker_position=-1,
+        labels=torch.cat([torch.full((n,), IGNORE_INDEX, dtype=torch.long), seq.labels]),
+        frame_positions=seq.frame_positions + n,
+        codes=seq.codes,
+    )

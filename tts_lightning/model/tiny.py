@@ -25,6 +25,9 @@ from tts_lightning.model.tiny_weights import _fan_in_init, _init_speech_tokenize
 TINY_FORMAT_VERSION = 1  # bump when the layout or the init changes, so cached directories rebuild
 
 NUM_CODE_GROUPS = 16
+# The tiny custom_voice model's speakers (names of the released CustomVoice models); instruct works
+# with them, as on the 1.7B CustomVoice (tts_model_size "tiny" is not the 0.6B's "0b6").
+BUILT_IN_SPEAKERS = ("vivian", "ryan", "serena")
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1920
 
@@ -91,8 +94,8 @@ def _talker_config(model_type: str, codebook_size: int, hidden: int) -> dict:
     spk_id, spk_is_dialect = {}, {}
     if model_type == "custom_voice":
         # Built-in speakers as a released CustomVoice model has them (ids below the specials' block).
-        spk_id = {"vivian": codebook_size + 300, "ryan": codebook_size + 301}
-        spk_is_dialect = {"vivian": False, "ryan": False}
+        spk_id = {name: codebook_size + 300 + i for i, name in enumerate(BUILT_IN_SPEAKERS)}
+        spk_is_dialect = {name: False for name in BUILT_IN_SPEAKERS}
     return {
         **codec,
         "hidden_size": hidden,
@@ -294,6 +297,8 @@ def build_tiny_pretrained(
         "codebook_size": codebook_size,
         "format_version": TINY_FORMAT_VERSION,
     }
+    if model_type == "custom_voice":  # a third built-in speaker: cached 2-speaker directories rebuild
+        key["speakers"] = len(BUILT_IN_SPEAKERS)
     if path is None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         path = tiny_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"

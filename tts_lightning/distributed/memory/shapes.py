@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tts_lightning.distributed.memory.presets import resolve_config
-from tts_lightning.model.parameters import matches
+from tts_lightning.model.parameters import absent_speaker_encoder, matches
 
 __all__ = [
     "FSDP2_GROUPS",
@@ -176,6 +176,8 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
     for globs in groups:
         matched = [n for n in modules if n and any(fnmatch.fnmatchcase(n, g) for g in globs)]
         members = [n for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
+        if not members and absent_speaker_encoder(globs, model):
+            continue
         if not members:
             raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
         unit_name = members[0] if len(members) == 1 else " + ".join(globs)
