@@ -138,3 +138,15 @@ def test_dropping_the_instruct_or_the_speaker_row_disagrees(setup):
             # without the instructs, 0.0055-0.010 with swapped rows (one speaker row among ~40
             # positions moves the random tiny model that little; the parity holds to 2e-6).
             assert min(gaps) > 20 * TOLERANCE, gaps
+
+
+def test_layouts_not_proven_from_a_custom_voice_model_are_refused(setup):
+    """ICL and streaming are proven from Base models only (tests/model/test_loss_parity.py)."""
+    from tts_lightning import SpeakerClipsDataModule
+    from tts_lightning.errors import ConfigError
+
+    _, data, _, _ = setup
+    for layout, streaming in (("icl", False), ("xvector", True)):
+        other = SpeakerClipsDataModule(**{**data.hparams, "layout": layout, "streaming": streaming})
+        with pytest.raises(ConfigError, match=r"is not proven from a custom_voice model; use a \*-Base one"):
+            other.setup("fit")

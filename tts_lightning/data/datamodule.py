@@ -309,15 +309,15 @@ class SpeakerClipsDataModule(LightningDataModule):
         speaker_index = {n: i for i, n in enumerate(names)}
         splits: dict[str, list[PreparedItem]] = {"train": [], "val": []}
         text_ids = tokenize_texts(tokenizer, [e.text for e in index.clips])
-        refs: list[Reference | None] = [None] * len(index.clips)
-        if self.layout.needs_reference:
-            refs = list(references(index.clips, cache_dir, tokenizer, self.seed))
         instruct_ids = tokenize_instructs(tokenizer, [e.instruct for e in index.clips])
         talker = info.config["talker_config"]
         # From a custom_voice model each speaker is a codec-embedding row (tts_lightning.model.custom_voice).
         codec_ids = speaker_codec_ids(talker, names) if is_custom_voice(info.config) else None
         if codec_ids is not None and not self.layout.is_default:
             raise ConfigError(f"data.layout {self.layout} is not proven from a custom_voice model; use a *-Base one")
+        refs: list[Reference | None] = [None] * len(index.clips)
+        if self.layout.needs_reference:
+            refs = list(references(index.clips, cache_dir, tokenizer, self.seed))
         for e, tokens, ref, instruct in zip(index.clips, text_ids, refs, instruct_ids):
             codes = cache_dir / e.codes
             if not codes.is_file():
