@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -25,7 +26,7 @@ def _run(run_script, tmp_path_factory, tiny_dir, demo_data, kind):
     out = tmp_path_factory.mktemp(f"optimizers-{kind}")
     args = (kind, tiny_dir, manifest, cache, out, ",".join(("adamw", *OPTIONS)), ",".join(RESUMED))
     run_script(HERE / "optimizer_worker.py", *args, timeout=900, cwd=out, ranks=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], out
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def fsdp2(run_script, tmp_path_factory, tiny_dir, demo_data):
 
 @pytest.fixture(params=["fsdp1", "fsdp2"])
 def results(request):
-    return request.param, request.getfixturevalue(request.param)
+    return request.param, request.getfixturevalue(request.param)[0]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -76,8 +77,25 @@ def test_resume_equals_uninterrupted(results, option):
 
 def test_lora_with_8bit_moments_trains_the_adapters_only(fsdp1):
     """LoRA adapters plus a fully trained codec head (big enough for 8-bit pieces) under FSDP1."""
-    for rank in fsdp1:
+    for rank in fsdp1[0]:
         run = rank["lora"]
         assert run["frozen_changed"] == [] and run["trainable_changed"] == run["trainable"] > 0
         assert all("lora_" in n or "codec_head" in n for n in run["changed"]), run["changed"][:5]
-    assert "OptimState8bit" in {t for rank in fsdp1 for t in rank["lora"]["state_types"]}
+    assert "OptimState8bit" in {t for rank in fsdp1[0] for t in rank["lora"]["state_types"]}
+
+
+@pytest.mark.parametrize(("option", "checkpoint"), [("adamw8bit", "a/step4.ckpt"), ("bf16_sr", "b/step3.ckpt")])
+def test_load_from_checkpoint_reads_the_weights_only(fsdp2, option, checkpoint):
+    """A sharded checkpoint with per-rank 8-bit state, and a full one with bf16 weights: the module
+    gets the weights the checkpoint holds (the optimizer state is never read), in their dtype."""
+    from tts_lightning import Qwen3TTSModule
+    from tts_lightning.model.checkpoint import load_training_checkpoint
+
+    path = fsdp2[1] / option / checkpoint
+    saved = load_training_checkpoint(path).state_dict
+    state = Qwen3TTSModule.load_from_checkpoint(path).state_dict()
+    assert set(state) == set(saved) and not any(k.startswith("optimizer") for k in state)
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    dtype = torch.bfloat16 if option == "bf16_sr" else torch.float32
+    assert state["model.talker.codec_head.weight"].dtype == dtype
