@@ -121,6 +121,7 @@ class _EagerOnCPU(torch.optim.Optimizer):
                 loss = closure()
         update = single_param_adam
         if any(p.device.type != "cpu" for g in self.param_groups for p in g["params"]):
+            # GPU only (the same function, compiled): run by benchmarks/gpu_check.py (config_1.7b_1x24gb).
             update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
         # One compile per parameter shape (torchao's reasoning): the cache limit would stop at 8.
         with torch._dynamo.utils.disable_cache_limit():

@@ -39,7 +39,7 @@ STEP_BYTES = {"adamw": 0, "adamw8bit": 16, "adamw4bit": 16, "bf16_sr": 20, "bf16
 
 def value_bytes(optimizer: str) -> int:
     """Bytes of one weight (and of its gradient) under ``optimizer``."""
-    return 2 if str(weights_dtype(optimizer)) == "torch.bfloat16" else 4
+    return weights_dtype(optimizer).itemsize
 
 
 def moment_bytes(optimizer: str, local: int) -> int:
