@@ -108,21 +108,27 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in saved["state"].items():
         param = params[int(index)]
-        values = {}
-        for name, value in entry.items():
-            values[name] = value.clone() if name == "step" else _rebuild(value, param)
-        if any(_local(v).shape != _local(param).shape for n, v in values.items() if n != "step"):
+        if any(_saved_numel(v) != _local(param).numel() for n, v in entry.items() if n != "step"):
             raise ConfigError(
                 "the checkpoint's quantized optimizer state was saved with another sharding: resume with the "
-                "world size and strategy settings it was saved with (or without its optimizer state)"
+                "world size and strategy settings it was saved with"
             )
-        optimizer.state[param] = values
+        optimizer.state[param] = {
+            name: value.clone() if name == "step" else _rebuild(value, param) for name, value in entry.items()
+        }
     for g, group in enumerate(optimizer.param_groups):
         lr = saved["lr"][str(g)]
         if isinstance(group["lr"], Tensor):
             group["lr"].fill_(lr)
         else:
             group["lr"] = float(lr)
+
+
+def _saved_numel(saved: Any) -> int:
+    """The number of values a saved moment holds (4-bit codes pack two per byte)."""
+    if isinstance(saved, dict):
+        return saved["codes"].numel() * (8 // int(saved["bits"]))
+    return saved.numel()
 
 
 def gather_full(optimizer: torch.optim.Optimizer, rank: int, world_size: int) -> dict[str, Any]:
