@@ -9,7 +9,9 @@ could not run, and still writes both files.
 1. the shipped 1-GPU configs on the GPU with the tiny model, NCCL at world size 1 (FSDP1 NO_SHARD,
    bf16-mixed, the samples callback, lean sharded checkpoints, pinned batches, resume from last):
    configs/qwen3-tts-0.6b-1gpu.yaml; and configs/qwen3-tts-0.6b-1gpu-fsdp2.yaml with cpu_offload
-   (gradients clipped on the CPU through the process group's gloo backend beside NCCL);
+   (gradients clipped on the CPU through the process group's gloo backend beside NCCL); and
+   configs/qwen3-tts-1.7b-1x24gb.yaml (model.optimizer bf16_sr_adamw8bit: torchao's compiled step,
+   8-bit state saved per rank, resume from last);
    meanwhile the released-size 1.7B and 0.6B random-weight directories are built (CPU);
 2. the released 1.7B as one rank of 4 (FULL_SHARD, fake process group, benchmarks/real_size.py)
    on what a 16 GB card offers after the CUDA context, 2000-position batches: memory beside the
@@ -35,7 +37,7 @@ DEADLINE = time.monotonic() + float(os.environ.get("GPU_CHECK_SECONDS", "530"))
 NEEDED = (
     "torch", "torchaudio", "lightning", "transformers", "tokenizers", "huggingface_hub", "accelerate", "peft",
     "safetensors", "jsonargparse", "docstring_parser", "typeshed_client", "soundfile", "librosa", "sox",
-    "qwen_tts", "torchmetrics", "tensorboard", "filelock", "tqdm", "rich", "yaml",
+    "qwen_tts", "torchmetrics", "tensorboard", "filelock", "tqdm", "rich", "yaml", "torchao.optim",
     "tts_lightning.cli", "tts_lightning.distributed.fsdp", "tts_lightning.distributed.fsdp2",
     "tts_lightning.callbacks", "tts_lightning.distributed.memory",
 )  # fmt: skip
@@ -128,18 +130,24 @@ def main() -> int:
         one_gpu = "configs/qwen3-tts-0.6b-1gpu.yaml"
         fsdp2 = "configs/qwen3-tts-0.6b-1gpu-fsdp2.yaml"
         offload = "config_0.6b_1gpu_fsdp2_offload"
+        # model.optimizer bf16_sr_adamw8bit on a GPU: torchao's compiled step (CPU runs it eagerly).
+        lean = "configs/qwen3-tts-1.7b-1x24gb.yaml"
         ok &= finish(
             [
                 start("build_1.7b", ["benchmarks/released_dir.py", "1.7b", "runs/bench/released-1.7b"], threads=6),
                 start("build_0.6b", ["benchmarks/released_dir.py", "0.6b", "runs/bench/released-0.6b"], threads=4),
                 start("config_0.6b_1gpu", fit_config("config_0.6b_1gpu", one_gpu)),
                 start(offload, fit_config(offload, fsdp2, "--trainer.strategy.init_args.cpu_offload", "true")),
+                start("config_1.7b_1x24gb", fit_config("config_1.7b_1x24gb", lean)),
             ],
             limit=240,
         )
         if ok:  # resume the FSDP1 run from its last checkpoint, one step more
             resume = fit_config("config_0.6b_1gpu", one_gpu, "--trainer.max_steps", "3", "--ckpt_path", "last")
-            ok &= finish([start("config_0.6b_1gpu_resume", resume)], limit=90)
+            lean_resume = fit_config("config_1.7b_1x24gb", lean, "--trainer.max_steps", "3", "--ckpt_path", "last")
+            ok &= finish(
+                [start("config_0.6b_1gpu_resume", resume), start("config_1.7b_1x24gb_resume", lean_resume)], limit=90
+            )
         name = "real_1.7b_16gb"
         timed = start(name, real_size(name, "--gpu-memory", "16", "--steps", "4"), threads=8)
         ok &= finish([timed], 150, {name: WORK / f"{name}.json"})

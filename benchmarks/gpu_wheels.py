@@ -53,7 +53,7 @@ PINNED = {  # qwen-tts 0.1.1's pins, where the image holds newer releases it can
     "accelerate": "1.12.0",
 }
 # What the run imports at the top: the project's run-time requirements, qwen-tts and its own.
-ROOTS = ["qwen-tts", "jsonargparse", "docstring-parser", "typeshed-client", "soundfile", "librosa", "sox"]
+ROOTS = ["qwen-tts", "jsonargparse", "docstring-parser", "typeshed-client", "soundfile", "librosa", "sox", "torchao"]
 SKIP = {"gradio", "onnxruntime"}  # qwen-tts's demo UI and ONNX export: never imported by training
 
 

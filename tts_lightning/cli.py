@@ -131,6 +131,16 @@ class TTSLightningCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_ckpt_path()
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """bf16 weights without stochastic rounding (and the reverse) fail here, before any other
+        process starts; `Qwen3TTSModule.configure_model` checks the same on every rank."""
+        from tts_lightning.model.optimizers import check_optimizer
+
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, str):
+            check_optimizer(optimizer, str(self.trainer.precision))
 
     def before_validate(self) -> None:
         self._check_ckpt_path()

@@ -216,6 +216,17 @@ def test_the_launch_trap_catches_a_good_config(workdir, tiny_dir, monkeypatch):
             ["--data.speakers", "[carol]"],
             "speaker(s) 'carol' are not named by {workdir}/demo/train.jsonl (its speakers: alice, bob)",
         ),
+        (
+            ["--trainer.precision", "bf16-true"],
+            "trainer.precision bf16-true stores the weights in 16 bits, where round-to-nearest drops updates "
+            "under 1/256 of a weight (all of them at fine-tuning rates): use bf16-mixed (fp32 weights), or "
+            "model.optimizer bf16_sr / bf16_sr_adamw8bit (bf16 weights, stochastic rounding)",
+        ),
+        (
+            ["--model.optimizer", "bf16_sr"],
+            "model.optimizer bf16_sr keeps bf16 weights and computes in bf16: set trainer.precision bf16-mixed "
+            "(fp32 reductions), not '32-true'",
+        ),
     ],
 )
 def test_bad_config_fails_before_spawning(workdir, tiny_dir, override, message, monkeypatch, capsys):

@@ -49,6 +49,10 @@ class AtomicCheckpoints(ParallelStrategy):
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(f".{final.name}.partial")
         old = final.with_name(f".{final.name}.old")
+        if not self._writes_sharded():
+            from tts_lightning.distributed.rank_local_state import prepare_full
+
+            prepare_full(self, checkpoint)
         if self.local_rank == 0:
             _remove(partial)
         self.barrier("checkpoint_prepare")

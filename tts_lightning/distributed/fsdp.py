@@ -321,6 +321,11 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         return model_state_dict(self._lean(), self._saved_keys())
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from tts_lightning.distributed import rank_local_state
+
+        return rank_local_state.load_checkpoint(self, checkpoint_path, lambda p: self._load_checkpoint(p, weights_only))
+
+    def _load_checkpoint(self, checkpoint_path, weights_only: bool | None) -> dict[str, Any]:
         """A sharded checkpoint read straight into this rank's shards and optimizer state (no gather,
         at any world size); a full one by Lightning; once every node sees it. A LoRA run's checkpoint
         holds the trainable tensors only (`Qwen3TTSModule.frozen_keys`): the frozen base keeps the
@@ -353,6 +358,11 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        from tts_lightning.distributed import rank_local_state
+
+        quantized = rank_local_state.optimizer_state(self, optimizer)  # torchao's 8/4-bit: saved per rank
+        if quantized is not None:
+            return quantized
         if self._state_dict_type == "sharded":
             from tts_lightning.distributed.lean_state import optimizer_state_dict
 

@@ -257,7 +257,18 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
         assert self.model is not None
         return get_model_state_dict(self.model, options=options)
 
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from tts_lightning.distributed import rank_local_state
+
+        quantized = rank_local_state.optimizer_state(self, optimizer)  # torchao's 8/4-bit: saved per rank
+        return super().optimizer_state(optimizer) if quantized is None else quantized
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from tts_lightning.distributed import rank_local_state
+
+        return rank_local_state.load_checkpoint(self, checkpoint_path, lambda p: self._load_checkpoint(p, weights_only))
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         """Lightning's, plus a LoRA run's checkpoints, which hold only the trainable tensors and
         buffers: every trainable tensor must be there; the frozen base keeps the values it was built
         with (the pretrained directory's). A sharded checkpoint is read key by key into the module's

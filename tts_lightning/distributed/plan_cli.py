@@ -12,6 +12,7 @@ import sys
 
 from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, PRESETS, SHARDINGS
 from tts_lightning.errors import ConfigError
+from tts_lightning.model.optimizers import OPTIMIZERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="R",
         help="plan LoRA adapters of rank R (alpha 2R, the default targets) instead of full fine-tuning",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="model.optimizer: adamw (fp32 states), adamw8bit / adamw4bit (quantized moments), bf16_sr / "
+        "bf16_sr_adamw8bit (bf16 weights, stochastic rounding; bf16-mixed only)",
+    )
     return parser
 
 
@@ -76,6 +84,7 @@ def plan_command(argv: list[str]) -> int:
                 ("--freeze", args.freeze, None),
                 ("--frames", args.frames, 2000),
                 ("--lora-rank", args.lora_rank, None),
+                ("--optimizer", args.optimizer, "adamw"),
             )
             if value != default
         ]
@@ -97,11 +106,13 @@ def plan_command(argv: list[str]) -> int:
                 micro_batch_frames=args.frames,
                 adapter=None if args.lora_rank is None else {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank},
                 layout="fsdp2" if args.strategy == "fsdp2" else "fsdp1",
+                optimizer=args.optimizer,
             )
     except json.JSONDecodeError as exc:  # a pretrained directory's config.json (the planner reads it)
         where = f"{args.model}: its config.json" if args.model else f"the pretrained config.json {args.config} names"
         raise ConfigError(f"{where} is not valid JSON ({exc})") from None
     print(plan.table())
+    print(options_summary(plan))
     if plan.fits:
         print(
             f"FITS: {plan.total / 2**30:.1f} GiB of {plan.gpu_memory / 2**30:.1f} GiB per GPU "
@@ -114,6 +125,23 @@ def plan_command(argv: list[str]) -> int:
         for line in plan.advice:
             print(f"  - {line}")
     return 1
+
+
+def options_summary(plan) -> str:
+    """The same run under every ``model.optimizer``, cheapest in memory last (the bf16 ones at bf16-mixed)."""
+    from dataclasses import replace
+
+    from tts_lightning.distributed.memory import plan_memory
+
+    lines = ["model.optimizer options (the same run; README 'Out of memory?'):"]
+    model, settings = plan.planned
+    for name in OPTIMIZERS:
+        precision = "bf16-mixed" if name.startswith("bf16_sr") else settings.precision
+        trial = plan_memory(model, advise=False, **vars(replace(settings, optimizer=name, precision=precision)))
+        verdict = "fits" if trial.fits else "does not fit"
+        marker = " <- this plan" if name == plan.optimizer and precision == plan.precision else ""
+        lines.append(f"  {name:<18} {trial.total / 2**30:6.1f} GiB per GPU, {verdict}{marker}")
+    return "\n".join(lines)
 
 
 def main() -> None:  # pragma: no cover

@@ -157,14 +157,21 @@ class MetaWeights:
         ``fully_shard``: its shards are allocated in the dtype the parameter was sharded with, and it
         needs a uniform dtype only among the trainable parameters of a unit, so a bf16 frozen base
         can share a unit with fp32 adapters. (FSDP1 materializes each dtype itself.)"""
+        return self.cast_meta(model, trainable=False)
+
+    def cast_meta(self, model: nn.Module, *, trainable: bool = True) -> int:
+        """Re-register the meta parameters of ``model`` in the dtype they are stored in (``dtype``,
+        or ``frozen_dtype`` for frozen ones; only the frozen ones unless ``trainable``), still on the
+        meta device; return how many changed. bf16 weights (`tts_lightning.model.optimizers`)."""
         changed: dict[int, nn.Parameter] = {}  # a parameter shared by two modules stays shared
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
-                if not param.is_meta or param.requires_grad or param.dtype == self.frozen_dtype:
+                dtype = self.dtype if param.requires_grad else self.frozen_dtype
+                if not param.is_meta or (param.requires_grad and not trainable) or param.dtype == dtype:
                     continue
                 if id(param) not in changed:
                     changed[id(param)] = nn.Parameter(
-                        torch.empty(param.shape, dtype=self.frozen_dtype, device="meta"), requires_grad=False
+                        torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad
                     )
                 module._parameters[name] = changed[id(param)]
         return len(changed)

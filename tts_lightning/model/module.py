@@ -33,6 +33,7 @@ from tts_lightning.model.generation import (
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
 from tts_lightning.model.loss import LossOutput, compute_loss
+from tts_lightning.model.optimizers import OptimizerName, build_optimizer, check_optimizer, weights_dtype
 from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
@@ -71,6 +72,10 @@ class Qwen3TTSModule(L.LightningModule):
             instead of the whole model: the base weights are frozen and never enter the optimizer,
             only the adapters and ``adapter.trainable`` modules train, and checkpoints hold only
             those (plus the speaker table). Real models: lr 2e-6..5e-6 (2e-5 gives noise).
+        optimizer: ``adamw`` (fp32 weights and moments), ``adamw8bit`` / ``adamw4bit`` (torchao's
+            quantized moments), ``bf16_sr`` (bf16 weights and moments, stochastic rounding) or
+            ``bf16_sr_adamw8bit`` (bf16 weights, 8-bit moments): `tts_lightning.model.optimizers`.
+            The bf16 ones need ``trainer.precision: bf16-mixed``.
     """
 
     speaker_embeddings: Tensor  # a buffer (registered in __init__)
@@ -84,6 +89,7 @@ class Qwen3TTSModule(L.LightningModule):
     sub_talker_loss_weight: HParam[float] = HParam()
     freeze_patterns: HParam[list[str]] = HParam("freeze")
     attn_implementation: HParam[Literal["sdpa", "eager"]] = HParam()
+    optimizer: HParam[OptimizerName] = HParam()
 
     def __init__(
         self,
@@ -97,8 +103,10 @@ class Qwen3TTSModule(L.LightningModule):
         freeze: list[str] = list(_DEFAULT_FREEZE),
         attn_implementation: Literal["sdpa", "eager"] = "sdpa",
         adapter: LoRASettings | None = None,
+        optimizer: OptimizerName = "adamw",
     ) -> None:
         super().__init__()
+        check_optimizer(optimizer, None)
         self.adapter = LoRASettings.coerce(adapter)
         self.save_hyperparameters()  # the settings below (`HParam`) are these entries, typed
         self.freeze_patterns = list(freeze)  # a copy: the default list is shared between instances
@@ -177,13 +185,19 @@ class Qwen3TTSModule(L.LightningModule):
                 raise ConfigError(f"model.adapter.trainable patterns {unmatched} match no parameter of the model")
         self.frozen_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad)
         self.trainable_keys = frozenset(f"model.{n}" for n, p in model.named_parameters() if p.requires_grad)
+        precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
+        check_optimizer(self.optimizer, precision)
+        dtype = weights_dtype(self.optimizer)
         frozen_dtype = None
         if adapter is not None:
-            precision = getattr(self._trainer, "precision", None) if self._trainer is not None else None
             frozen_dtype = adapter.frozen_dtype(precision)
+        if dtype != torch.float32:
+            frozen_dtype = dtype  # bf16 weights: the frozen ones too (never above the trained ones)
         weights = MetaWeights(
-            model, info, adapter_seed=0 if adapter is None else adapter.seed, frozen_dtype=frozen_dtype
+            model, info, dtype=dtype, adapter_seed=0 if adapter is None else adapter.seed, frozen_dtype=frozen_dtype
         )
+        if dtype != torch.float32:
+            weights.cast_meta(model)  # FSDP2 allocates each shard in its meta parameter's dtype
         if self.speaker_codec_ids is not None:  # the new speakers' rows start from the built-in ones
             weights.row_overrides[CODEC_EMBEDDING_KEY] = initial_rows(
                 weights.reader.read(CODEC_EMBEDDING_KEY), info.config["talker_config"], self.speakers
@@ -392,17 +406,12 @@ class Qwen3TTSModule(L.LightningModule):
     # -- optimisation ------------------------------------------------------------------------
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         params = [p for p in self.parameters() if p.requires_grad]
-        # The fused kernel on GPUs: one launch per step instead of several per parameter. With
-        # cpu_offload the (sharded) parameters live on the CPU, where the default is right.
-        fused = bool(params) and all(p.is_cuda for p in params)
         groups: Any = params
         if self.speaker_codec_ids is not None and f"model.{CODEC_EMBEDDING_KEY}" in self.trainable_keys:
             # Weight decay would move every row of the codec embedding at each step: the built-in
             # speakers the run does not train keep their rows bit-equal without it (zero gradient).
             groups = without_decay_of_codec_embedding(self.named_parameters())
-        optimizer = torch.optim.AdamW(
-            groups, lr=self.learning_rate, weight_decay=self.weight_decay, fused=fused or None
-        )
+        optimizer = build_optimizer(self.optimizer, groups, self.learning_rate, self.weight_decay)
         # Hugging Face's schedules: linear warm-up from 0, then constant or cosine to 0 at the last step.
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 

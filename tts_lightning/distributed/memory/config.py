@@ -136,6 +136,7 @@ def plan_from_config(
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
         layout=strategy.layout,
         groups=strategy.groups,
+        optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
     )
 
 

@@ -15,6 +15,7 @@ import torch
 
 from tts_lightning.distributed.memory.activations import _activation_bytes, _checkpointed
 from tts_lightning.distributed.memory.advice import advise
+from tts_lightning.distributed.memory.optimizer_bytes import STEP_BYTES, option_states
 from tts_lightning.distributed.memory.presets import resolve_config
 from tts_lightning.distributed.memory.settings import PRECISIONS, SHARDINGS, PlanSettings
 from tts_lightning.distributed.memory.shapes import ModelShape, Unit, model_shape
@@ -77,6 +78,9 @@ class MemoryPlan:
     checkpoint_save: int = 0  # a sharded checkpoint being written (views of the shards: nothing gathered)
     checkpoint_host: int = 0  # host memory per GPU process then: the writer's copies of the shards
     resume: int = 0  # a checkpoint read back, before the first step (no gradients yet)
+    optimizer: str = "adamw"  # `Qwen3TTSModule`'s ``optimizer`` (`optimizer_bytes.py`)
+    optimizer_step: int = 0  # torchao's step: model states + its fp32 copies of the largest piece
+    planned: tuple[Any, PlanSettings] | None = field(default=None, repr=False, compare=False)  # (model, settings)
     notes: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
@@ -97,6 +101,11 @@ class MemoryPlan:
             frozen = f"everything but LoRA r{self.adapter['rank']}/alpha{self.adapter['alpha']:g} adapters" + (
                 f" and {', '.join(self.adapter['trainable'])}" if self.adapter.get("trainable") else ""
             )
+        weights = "bf16" if self.optimizer.startswith("bf16_sr") else "fp32"
+        master = "(fp32 master)" if weights == "fp32" else "(bf16)       "
+        moments = {"adamw": "AdamW, fp32", "adamw8bit": "AdamW 8-bit", "adamw4bit": "AdamW 4-bit"}.get(
+            self.optimizer, "bf16 AdamW" if self.optimizer == "bf16_sr" else "AdamW 8-bit"
+        )
         lines = [
             f"Qwen3-TTS memory plan: {self.model}: {self.total_parameters / 1e6:,.1f}M parameters, "
             f"{self.trainable_parameters / 1e6:,.1f}M trainable (frozen: {frozen})",
@@ -104,9 +113,9 @@ class MemoryPlan:
             f"activation checkpointing {ckpt}, cpu offload {offload}, "
             f"{self.micro_batch_frames} talker positions per micro-batch, {self.units} FSDP units",
             "                                                    GiB per GPU",
-            f"  parameters (fp32 master)                         {g(self.parameters)}",
-            f"  gradients (fp32)                                 {g(self.gradients)}",
-            f"  optimizer states (AdamW, fp32)                   {g(self.optimizer_states)}",
+            f"  parameters {master}                         {g(self.parameters)}",
+            f"  gradients ({weights})                                 {g(self.gradients)}",
+            f"  optimizer states ({moments})" + " " * (30 - len(moments)) + f"{g(self.optimizer_states)}",
             f"  gathered units + unsharded grads (at the peak)   {g(self.gathered)}",
             f"    for reference: root unit, full {cdt} (all step) {g(self.root_unit)}",
             f"    for reference: largest unit, full {cdt}         {g(self.largest_gathered_unit)}"
@@ -129,6 +138,11 @@ class MemoryPlan:
             f"  other phases: start {g(self.startup).strip()}, checkpoint save {g(self.checkpoint_save).strip()} "
             f"(+ {self.checkpoint_host / GiB:.2f} GiB host per process), resume {g(self.resume).strip()}"
         )
+        if self.optimizer != "adamw":
+            lines.append(
+                f"  model.optimizer {self.optimizer}: the optimizer step (fp32 copies of the largest piece) "
+                f"{g(self.optimizer_step).strip()}"
+            )
         if self.cpu_offload:
             lines.append(
                 f"  host memory for offloaded states: {self.host_memory / GiB:.2f} GiB per GPU, "
@@ -146,6 +160,7 @@ def plan_memory(model: str | os.PathLike | Mapping[str, Any], *, advise: bool = 
     checked = PlanSettings(**settings)
     name, config = resolve_config(model)
     plan = _plan(name, config, checked, tokenizer=speech_tokenizer_bytes(model) if checked.samples else 0)
+    plan.planned = (model, checked)
     if advise and not plan.fits:
         plan.advice = _advise(config, plan, checked)
     return plan
@@ -164,6 +179,7 @@ class _States:
     optimizer: int
     host: int
     trainable: int
+    step_piece: int = 0  # values of the largest trained local piece (torchao's step copies it in fp32)
 
 
 def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) -> MemoryPlan:
@@ -181,6 +197,11 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
     step = _step_transients(shape, settings, effective, trainable)
     persistent = states.parameters + states.gradients + states.optimizer
     total = persistent + CUDA_OVERHEAD_BYTES + max(step["a"], step["b"])
+    optimizer_step = 0
+    if settings.optimizer != "adamw" and not settings.cpu_offload:
+        optimizer_step = persistent + CUDA_OVERHEAD_BYTES + STEP_BYTES[settings.optimizer] * states.step_piece
+        if optimizer_step > total:
+            total, step["phase"] = optimizer_step, "the optimizer step, fp32 copies of the largest piece"
     samples_model = samples_cache = samples_total = 0
     if settings.samples:
         samples_model, samples_cache = _sampling(shape, settings)
@@ -234,6 +255,8 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         checkpoint_save=save,
         checkpoint_host=host_save,
         resume=resume,
+        optimizer=settings.optimizer,
+        optimizer_step=optimizer_step,
     )
     ckpt_t, ckpt_cp = _checkpointed(settings.activation_checkpointing)
     if ckpt_t != ckpt_cp:
@@ -300,9 +323,14 @@ def _model_states(
             "FSDP2: each parameter sharded on dim 0 (padded per parameter); frozen parameters keep no "
             "gradient; buffers are never cast"
         )
+    piece = 0
+    if settings.optimizer != "adamw":
+        params_b, grads_b, optim_b, piece = option_states(
+            shape, settings.optimizer, shards, settings.fsdp2, is_trainable, grad_numel, frozen_bytes
+        )
     if settings.cpu_offload:
-        return _States(0, 0, 0, params_b + grads_b + optim_b, train_params)
-    return _States(params_b, grads_b, optim_b, 0, train_params)
+        return _States(0, 0, 0, params_b + grads_b + optim_b, train_params, piece)
+    return _States(params_b, grads_b, optim_b, 0, train_params, piece)
 
 
 def _step_transients(

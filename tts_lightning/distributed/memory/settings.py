@@ -36,6 +36,7 @@ class PlanSettings:
             NO_SHARD on one GPU; ``sharding`` FULL_SHARD is ``reshard_after_forward: true``,
             SHARD_GRAD_OP is ``false``, NO_SHARD is not planned. ``auto_wrap_policy`` then names the
             layer classes (the strategy's ``layer_classes``) and ``groups`` its module-name groups.
+        optimizer: `Qwen3TTSModule`'s ``optimizer`` (bytes per value in `optimizer_bytes.py`).
     """
 
     gpus: int
@@ -53,8 +54,15 @@ class PlanSettings:
     adapter: Any = None
     layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
     groups: Sequence[Sequence[str]] | None = None
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
+        from tts_lightning.model.optimizers import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer.startswith("bf16_sr") and self.precision != "bf16-mixed":
+            raise ValueError(f"optimizer {self.optimizer} keeps bf16 weights: plan it with precision bf16-mixed")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.precision not in PRECISIONS:
