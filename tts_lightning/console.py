@@ -11,6 +11,7 @@ module that emits it:
 - transformers logs "Setting `pad_token_id` to `eos_token_id` ..." on every `generate` call.
 - Lightning's pytree helper triggers torch's "`isinstance(treespec, LeafSpec)` is deprecated" on
   every step; Lightning advertises litlogger in a "Tip" line.
+- torchao (imported by transformers) logs two pytree-registration deprecations on import.
 - torch's FSDP state-dict and checkpoint code warn about ``_get_pg_default_device`` and
   ShardedTensor deprecations on every sharded checkpoint.
 
@@ -68,6 +69,11 @@ WARNING_FILTERS = (
 LOG_FILTERS = {
     "transformers.generation.utils": ("Setting `pad_token_id` to `eos_token_id`",),
     "lightning.pytorch.utilities.rank_zero": ("💡 Tip: For seamless cloud",),
+    # torchao 0.18 registers two of its enums as pytree constants on import (transformers imports it).
+    "torch.utils._pytree": (
+        "<enum 'KernelPreference'> is an Enum subclass and is now natively supported",
+        "<enum 'ScaleCalculationMode'> is an Enum subclass and is now natively supported",
+    ),
 }
 QUIET_IMPORTS = ("qwen_tts",)
 
