@@ -3,9 +3,11 @@ counts the reads on CPU that would block the host on a GPU)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
+import pytest
 from host_reads import HostReads
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
@@ -49,4 +51,24 @@ def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, t
     for name in ("train/loss_step", "train/loss_epoch", "train/acc_codebook_0_step", "train/acc_codebook_15_epoch"):
         assert name in logged, logged  # the names TensorBoard readers and the tests know
     logging = [r for r in reads.steps if r.step % LOG_EVERY == 0]
-    assert all(r.syncs > 0 for r in logging), logging  # the counter sees the logged values read back
+    assert all(r.syncs > 1 for r in logging), logging  # the counter sees the logged values read back
+
+
+@pytest.mark.slow
+def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, run_script, tmp_path):
+    """The same with 2 real FSDP processes (gloo): the loss all-reduce for logging, the speaker
+    table's collectives and clipping by the norm over both ranks' shards read nothing back."""
+    _, manifest, cache = demo_data
+    worker = Path(__file__).parents[1] / "distributed" / "host_reads_worker.py"
+    run_script(worker, tiny_dir, manifest, cache, tmp_path, LOG_EVERY, timeout=300, cwd=tmp_path, ranks=2)
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [s["step"] for s in steps] == list(range(1, 2 * LOG_EVERY + 1)), steps
+        quiet = [s for s in steps if s["step"] % LOG_EVERY]
+        # Lightning's own: every step of a multi-process run broadcasts and reads a SIGTERM flag.
+        allowed = {TRANSFORMERS_MASK_CHECK, " _broadcast_sigterm_tensor"}
+        assert all(
+            s["syncs"] == 2 and sorted(site[site.rindex(" ") :] for site in s["sites"]) == sorted(allowed)
+            for s in quiet
+        ), (rank, quiet)
+        assert all(s["shape_reads"] == 0 for s in steps), (rank, steps)
