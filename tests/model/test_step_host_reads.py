@@ -72,3 +72,29 @@ def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, ru
             for s in quiet
         ), (rank, quiet)
         assert all(s["shape_reads"] == 0 for s in steps), (rank, steps)
+
+
+def test_codebook_accuracy_equals_torchmetrics(tiny_dir, make_datamodule):
+    """The training accuracies (`codebook_accuracy`, all codebooks at once) are torchmetrics'
+    micro-averaged top-1 `MulticlassAccuracy` of each codebook, as logged before."""
+    import torch
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from tts_lightning.model.loss import codebook_accuracy, compute_loss
+
+    data = make_datamodule()
+    data.setup("fit")
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    module.configure_model()
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        out = compute_loss(module.talker, batch)
+    accuracy, counted = codebook_accuracy(out)
+    pairs = [(out.talker_logits, out.talker_targets)] + [
+        (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(out.predictor_targets.shape[1])
+    ]
+    assert accuracy.shape == (len(pairs),)
+    for j, (logits, targets) in enumerate(pairs):
+        reference = MulticlassAccuracy(logits.shape[-1], top_k=1, average="micro", ignore_index=-100)
+        torch.testing.assert_close(accuracy[j], reference(logits, targets), rtol=0, atol=1e-7)
+        assert int(counted[j]) == targets.numel()
