@@ -51,7 +51,23 @@ class CommandLineParser(LightningArgumentParser):
 
 class StepProgressBar(RichProgressBar):
     """Lightning's rich progress bar, counting optimizer steps (``step 12/60``) across epochs when
-    ``max_steps`` bounds the run; per-epoch batches otherwise."""
+    ``max_steps`` bounds the run; per-epoch batches otherwise.
+
+    It shows the training loss (`SHOWN`) as read back on logging steps (``log_every_n_steps``) and
+    at epoch end: the module logs it without ``prog_bar``, which would read it back to the host (a
+    GPU stall) after every step."""
+
+    SHOWN = ("train/loss_step", "train/loss_epoch")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shown: dict[str, float] = {}
+
+    def _read_shown(self, trainer) -> None:
+        if self.is_disabled:
+            return
+        metrics = trainer.callback_metrics
+        self._shown.update({k: float(metrics[k]) for k in self.SHOWN if k in metrics})
 
     def _by_steps(self) -> bool:
         trainer = self._trainer
@@ -66,7 +82,7 @@ class StepProgressBar(RichProgressBar):
     def get_metrics(self, trainer, pl_module) -> dict:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version folder, shown as "v_num: 0.000": not a metric
-        return metrics
+        return {**metrics, **self._shown}
 
     def _show_steps(self, trainer) -> None:
         if self.progress is None or self.train_progress_bar_id is None:
@@ -78,6 +94,10 @@ class StepProgressBar(RichProgressBar):
             description=self._get_train_description(trainer.current_epoch),
         )
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._read_shown(trainer)
+        super().on_train_epoch_end(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         if self._by_steps() and not self.is_disabled:
@@ -85,6 +105,8 @@ class StepProgressBar(RichProgressBar):
             self.refresh()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            self._read_shown(trainer)
         if not self._by_steps():
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.is_disabled:

@@ -74,14 +74,15 @@ def code_predictor_logits(talker, inputs: Tensor) -> Tensor:
 def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3) -> LossOutput:
     hidden = talker_hidden_states(talker, batch)
 
-    target_mask = batch.labels != IGNORE_INDEX
-    talker_targets = batch.labels[target_mask]
+    # The collate's indices of the masks' positions (the same rows, in the same order, as selecting
+    # with the masks, which on a GPU would read their counts back to the host).
+    talker_example, talker_position = batch.target_index.unbind(1)
+    talker_targets = batch.labels[talker_example, talker_position]
     # Cross-entropy in fp32: under bf16 compute the logits' rounding would dominate small losses.
-    talker_logits = talker.codec_head(hidden[target_mask]).float()
+    talker_logits = talker.codec_head(hidden[talker_example, talker_position]).float()
     talker_nll = F.cross_entropy(talker_logits, talker_targets, reduction="none")
-    talker_example = target_mask.nonzero()[:, 0]
 
-    frame_example, frame_index = batch.frame_mask.nonzero(as_tuple=True)
+    frame_example, frame_index = batch.frame_index.unbind(1)
     past_hidden = hidden[frame_example, batch.frame_positions[frame_example, frame_index]]
     codes = batch.codes[frame_example, frame_index]  # (N_f, G)
     predictor_logits = code_predictor_logits(talker, code_predictor_inputs(talker, past_hidden, codes)).float()
@@ -107,3 +108,20 @@ def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3
         predictor_logits=predictor_logits,
         predictor_targets=predictor_targets,
     )
+
+
+@torch.no_grad()
+def codebook_accuracy(out: LossOutput) -> tuple[Tensor, Tensor]:
+    """Top-1 accuracy (G,) of codebook 0 (the talker) and 1..G-1 (the code predictor) over the
+    batch's targets, and the targets counted (G,); 0 where none. Device ops only: no value is read
+    back to the host."""
+    talker_valid = out.talker_targets != IGNORE_INDEX
+    predictor_valid = out.predictor_targets != IGNORE_INDEX
+    correct = torch.cat(
+        [
+            ((out.talker_logits.argmax(-1) == out.talker_targets) & talker_valid).sum()[None],
+            ((out.predictor_logits.argmax(-1) == out.predictor_targets) & predictor_valid).sum(0),
+        ]
+    )
+    counted = torch.cat([talker_valid.sum()[None], predictor_valid.sum(0)])
+    return correct / counted.clamp(min=1), counted

@@ -32,12 +32,12 @@ from tts_lightning.model.generation import (
 )
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
-from tts_lightning.model.loss import LossOutput, compute_loss
+from tts_lightning.model.loss import LossOutput, codebook_accuracy, compute_loss
 from tts_lightning.model.optimizers import OptimizerName, build_optimizer, check_optimizer, weights_dtype
 from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
-from tts_lightning.model.sequence import TalkerBatch, tokenize_text
+from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, tokenize_text
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,14 @@ class Qwen3TTSModule(L.LightningModule):
         self.speaker_codec_ids = custom_voice_speakers(info, self.speakers, self.adapter)
         if self.speaker_codec_ids is not None:
             self.hparams["speaker_codec_ids"] = list(self.speaker_codec_ids)
+        self._speakers_complete = False  # every row of `speaker_embeddings` filled (see _remember_speakers)
         # The fp32 speaker embeddings the run trains with, saved in every checkpoint so that export
         # writes exactly these vectors into the new speakers' codec-embedding rows.
         self.register_buffer("speaker_embeddings", torch.zeros(len(self.speakers), int(talker_cfg["hidden_size"])))
-        metric = lambda n: MulticlassAccuracy(n, top_k=1, average="micro", ignore_index=-100)  # noqa: E731
+        # validate_args=False: the checks read values back (a host sync per update on a GPU).
+        metric = lambda n: MulticlassAccuracy(  # noqa: E731
+            n, top_k=1, average="micro", ignore_index=IGNORE_INDEX, validate_args=False
+        )
         self.accuracy = nn.ModuleDict(
             {
                 stage: nn.ModuleList(
@@ -144,7 +148,7 @@ class Qwen3TTSModule(L.LightningModule):
                         for _ in range(self.num_code_groups - 1)
                     ]
                 )
-                for stage in ("train_acc", "val_acc", "test_acc")
+                for stage in ("val_acc", "test_acc")  # training: `_log_train_accuracy`
             }
         )
 
@@ -277,28 +281,52 @@ class Qwen3TTSModule(L.LightningModule):
         return compute_loss(self.talker, batch, self.sub_talker_loss_weight)
 
     def _shared_step(self, batch: TalkerBatch, stage: str) -> torch.Tensor:
+        """Nothing here reads a value back to the host (a GPU stall), except on logging steps:
+        `self.log` keeps tensors on the device and Lightning converts them when it writes the logs
+        (tests/model/test_step_host_reads.py counts the reads)."""
         self._remember_speakers(batch)
         out = self(batch)
-        on_step, n = stage == "train", len(batch)
-        self.log(f"{stage}/loss", out.loss, prog_bar=True, batch_size=n, sync_dist=True, on_step=on_step, on_epoch=True)
-        self.log(f"{stage}/talker_loss", out.talker_loss, batch_size=n, sync_dist=True, on_step=on_step, on_epoch=True)
-        self.log(
-            f"{stage}/code_predictor_loss",
-            out.code_predictor_loss,
-            batch_size=n,
-            sync_dist=True,
-            on_step=on_step,
-            on_epoch=True,
-        )
-        metrics = [cast(MulticlassAccuracy, m) for m in cast(nn.ModuleList, self.accuracy[f"{stage}_acc"])]
-        metrics[0](out.talker_logits.detach(), out.talker_targets)
-        self.log(f"{stage}/acc_codebook_0", metrics[0], on_step=on_step, on_epoch=True, batch_size=len(batch))
-        for j in range(self.num_code_groups - 1):
-            metrics[j + 1](out.predictor_logits[:, j].detach(), out.predictor_targets[:, j])
+        train, n = stage == "train", len(batch)
+        losses = {"loss": out.loss, "talker_loss": out.talker_loss, "code_predictor_loss": out.code_predictor_loss}
+        for name, value in losses.items():
+            # sync_dist: the logged step loss is the mean over ranks, an all-reduce queued on the device
+            # (no host wait). The progress bar shows train/loss from `StepProgressBar` at logging steps:
+            # prog_bar=True would make Lightning convert it to a float after every step.
+            prog_bar = name == "loss" and not train
             self.log(
-                f"{stage}/acc_codebook_{j + 1}", metrics[j + 1], on_step=on_step, on_epoch=True, batch_size=len(batch)
+                f"{stage}/{name}", value, prog_bar=prog_bar, batch_size=n, sync_dist=True, on_step=train, on_epoch=True
             )
+        if train:
+            self._log_train_accuracy(out, n)
+            return out.loss
+        metrics = [cast(MulticlassAccuracy, m) for m in cast(nn.ModuleList, self.accuracy[f"{stage}_acc"])]
+        pairs = [(out.talker_logits, out.talker_targets)] + [
+            (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(self.num_code_groups - 1)
+        ]
+        for j, (metric, (logits, targets)) in enumerate(zip(metrics, pairs)):
+            metric.update(logits.detach(), targets)  # computed (and synced) by Lightning at epoch end
+            self.log(f"{stage}/acc_codebook_{j}", metric, on_step=False, on_epoch=True, batch_size=n)
         return out.loss
+
+    def _log_train_accuracy(self, out: LossOutput, n: int) -> None:
+        """Per-codebook top-1 accuracy (`codebook_accuracy`: a few device ops). ``_step``: this rank's
+        batch; ``_epoch``: Lightning's mean weighted by the targets counted (a tensor as batch size),
+        which is the accuracy over all the epoch's targets, all-reduced once, at epoch end."""
+        accuracy, counted = codebook_accuracy(out)
+        for j in range(self.num_code_groups):
+            name = f"train/acc_codebook_{j}"
+            self.log(f"{name}_step", accuracy[j], on_step=True, on_epoch=False, batch_size=n)
+            count = cast(int, counted[j])  # a device tensor: Lightning only multiplies and sums it
+            self.log(f"{name}_epoch", accuracy[j], on_step=False, on_epoch=True, sync_dist=True, batch_size=count)
+
+    def _logging_step(self) -> bool:
+        """Whether this training step's metrics are written (Trainer's ``log_every_n_steps``): the
+        same on every rank."""
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        every = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)  # set in Trainer.__init__, undeclared
+        return (trainer.global_step + 1) % every == 0
 
     @torch.no_grad()
     def _remember_speakers(self, batch: TalkerBatch) -> None:
@@ -308,12 +336,14 @@ class Qwen3TTSModule(L.LightningModule):
 
         The collectives are the strategy's (`Strategy.reduce`: FSDP, DDP, a single process, where
         it returns its input), on tensors made on the strategy's root device (NCCL refuses CPU
-        tensors). Without a trainer, only this process's rows are filled."""
+        tensors). Without a trainer, only this process's rows are filled. All on the device: whether
+        the table is complete is read back only on logging steps (`_speakers_complete`, the same
+        decision on every rank, which then skip the collectives together)."""
         table = self.speaker_embeddings
         if self.speaker_codec_ids is not None:
             return  # a custom_voice run: the speakers are codec rows, the table stays empty
-        if not len(self.speakers) or bool((table.abs().sum(1) > 0).all()):
-            return  # complete: the same on every rank, so every rank skips the collectives together
+        if not len(self.speakers) or self._speakers_complete:
+            return
         strategy = self._trainer.strategy if self._trainer is not None else None
         device = table.device if strategy is None else strategy.root_device
         local = torch.zeros(table.shape, dtype=table.dtype, device=device)
@@ -321,11 +351,12 @@ class Qwen3TTSModule(L.LightningModule):
         if strategy is not None:
             me = self.global_rank + 1
             owner = strategy.reduce((local.abs().sum(1) > 0).long() * me, reduce_op="max")
-            local[owner != me] = 0
-            local = strategy.reduce(local, reduce_op="sum")
+            local = strategy.reduce(local * (owner == me)[:, None], reduce_op="sum")
         local = local.to(table.device)
         new = (local.abs().sum(1) > 0) & (table.abs().sum(1) == 0)
-        table[new] = local[new]
+        table.copy_(torch.where(new[:, None], local, table))
+        if self._logging_step():
+            self._speakers_complete = bool((table.abs().sum(1) > 0).all())
 
     def training_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")

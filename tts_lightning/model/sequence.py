@@ -182,6 +182,10 @@ class TalkerBatch:
     frame_positions: Tensor  # (B, F) padded with 0
     frame_mask: Tensor  # (B, F) bool
     codes: Tensor  # (B, F, G) padded with 0
+    # The positions the masks select, (N, 2) rows of (example, position / frame) in row-major order,
+    # found by the collate on the host: selecting with a mask on a GPU reads its count back (a stall).
+    target_index: Tensor  # where labels != IGNORE_INDEX
+    frame_index: Tensor  # where frame_mask
 
     def to(self, device) -> TalkerBatch:
         """On ``device``. To a GPU the copies do not block the host (from pinned memory they run
@@ -229,6 +233,8 @@ def collate(
         frame_positions=torch.zeros(B, F, dtype=torch.long),
         frame_mask=torch.zeros(B, F, dtype=torch.bool),
         codes=torch.zeros(B, F, G, dtype=torch.long),
+        target_index=torch.zeros(0, 2, dtype=torch.long),  # filled below, from the masks
+        frame_index=torch.zeros(0, 2, dtype=torch.long),
     )
     for b, s in enumerate(sequences):
         n, t = s.text_ids.shape[0], s.codes.shape[0]
@@ -241,6 +247,8 @@ def collate(
         batch.frame_positions[b, :t] = s.frame_positions
         batch.frame_mask[b, :t] = True
         batch.codes[b, :t] = s.codes
+    batch.target_index = (batch.labels != IGNORE_INDEX).nonzero()
+    batch.frame_index = batch.frame_mask.nonzero()
     return batch
 
 

@@ -1,0 +1,100 @@
+"""A training step reads nothing back from the device except on logging steps (`tests/host_reads.py`
+counts the reads on CPU that would block the host on a GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+from host_reads import HostReads
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.cli import StepProgressBar
+
+LOG_EVERY = 3
+TRANSFORMERS_MASK_CHECK = " _ignore_causal_mask_sdpa"  # transformers/masking_utils.py
+
+
+def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, tmp_path):
+    """A real single-process fit with the shipped defaults (logger, learning-rate monitor, progress
+    bar, gradient clipping by norm): zero scalar reads and host copies on the steps that do not log."""
+    data = make_datamodule(num_workers=1)  # the collate runs in a worker, as on GPU runs
+    reads = HostReads()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2 * LOG_EVERY,
+        log_every_n_steps=LOG_EVERY,
+        gradient_clip_val=1.0,
+        logger=CSVLogger(tmp_path),
+        callbacks=[reads, LearningRateMonitor(logging_interval="step"), StepProgressBar()],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    trainer.fit(module, datamodule=data)
+    print(*reads.steps, sep="\n")
+    assert [r.step for r in reads.steps] == list(range(1, 2 * LOG_EVERY + 1))
+    quiet = [r for r in reads.steps if r.step % LOG_EVERY]
+    # One read remains, in transformers: whether the 2D attention mask pads anything, asked once per
+    # talker forward (docs/architecture.md, "Host reads in a training step").
+    assert quiet and all(r.syncs == 1 and next(iter(r.sites)).endswith(TRANSFORMERS_MASK_CHECK) for r in quiet), quiet
+    # Only transformers' SDPA mask check (one per talker forward) selects by data (docs/architecture.md).
+    assert all(r.shape_reads == 0 for r in reads.steps), reads.steps
+    logged = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
+    for name in ("train/loss_step", "train/loss_epoch", "train/acc_codebook_0_step", "train/acc_codebook_15_epoch"):
+        assert name in logged, logged  # the names TensorBoard readers and the tests know
+    logging = [r for r in reads.steps if r.step % LOG_EVERY == 0]
+    assert all(r.syncs > 1 for r in logging), logging  # the counter sees the logged values read back
+
+
+@pytest.mark.slow
+def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, run_script, tmp_path):
+    """The same with 2 real FSDP processes (gloo): the loss all-reduce for logging, the speaker
+    table's collectives and clipping by the norm over both ranks' shards read nothing back."""
+    _, manifest, cache = demo_data
+    worker = Path(__file__).parents[1] / "distributed" / "host_reads_worker.py"
+    run_script(worker, tiny_dir, manifest, cache, tmp_path, LOG_EVERY, timeout=300, cwd=tmp_path, ranks=2)
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [s["step"] for s in steps] == list(range(1, 2 * LOG_EVERY + 1)), steps
+        quiet = [s for s in steps if s["step"] % LOG_EVERY]
+        # Lightning's own: every step of a multi-process run broadcasts and reads a SIGTERM flag.
+        allowed = {TRANSFORMERS_MASK_CHECK, " _broadcast_sigterm_tensor"}
+        assert all(
+            s["syncs"] == 2 and sorted(site[site.rindex(" ") :] for site in s["sites"]) == sorted(allowed)
+            for s in quiet
+        ), (rank, quiet)
+        assert all(s["shape_reads"] == 0 for s in steps), (rank, steps)
+
+
+def test_codebook_accuracy_equals_torchmetrics(tiny_dir, make_datamodule):
+    """The training accuracies (`codebook_accuracy`, all codebooks at once) are torchmetrics'
+    micro-averaged top-1 `MulticlassAccuracy` of each codebook, as logged before."""
+    import torch
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from tts_lightning.model.loss import codebook_accuracy, compute_loss
+
+    data = make_datamodule()
+    data.setup("fit")
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
+    module.configure_model()
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        out = compute_loss(module.talker, batch)
+    accuracy, counted = codebook_accuracy(out)
+    pairs = [(out.talker_logits, out.talker_targets)] + [
+        (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(out.predictor_targets.shape[1])
+    ]
+    assert accuracy.shape == (len(pairs),)
+    for j, (logits, targets) in enumerate(pairs):
+        reference = MulticlassAccuracy(logits.shape[-1], top_k=1, average="micro", ignore_index=-100)
+        torch.testing.assert_close(accuracy[j], reference(logits, targets), rtol=0, atol=1e-7)
+        assert int(counted[j]) == targets.numel()
