@@ -65,7 +65,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     )
     printed = capsys.readouterr().out
     result = json.loads((out / "evaluation.json").read_text())
-    assert result["model_kind"] == "exported directory"
+    assert result["model_kind"] == "exported directory" and result["settings"]["alpha"] == 0.05
     assert sorted(result["speakers"]) == SPEAKERS
     for name in SPEAKERS:
         speaker = result["speakers"][name]
@@ -89,8 +89,12 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
             assert summary["generations"] == 2 and summary["real_time_factor"] > 0
             assert summary["eos_failure_rate"] == summary["eos_failures"] / 2
         for other in SYSTEMS[1:]:
-            for metric in ("speaker_similarity", "pace_error", "eos_failure_rate"):
-                assert speaker["comparison"][other][metric]["verdict"] in ("better", "worse", "within noise")
+            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t")):
+                c = speaker["comparison"][other][metric]
+                assert c["verdict"] in ("better", "worse", "within noise") and c["test"] == test
+                assert c["pairs"] == 2 and 0.0 <= c["p_value"] <= 1.0
+            eos = speaker["comparison"][other]["eos_failure_rate"]
+            assert eos["test"] == "exact McNemar" and eos["verdict"] == "within noise"  # 2 pairs never suffice
     table = (out / "evaluation.md").read_text()
     assert table in printed
     header = table.splitlines()[0]

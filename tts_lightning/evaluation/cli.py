@@ -70,6 +70,12 @@ def evaluate_command(argv: list[str]) -> int:
         default=3.0,
         help="a generation fails to end when it runs past this many times the speaker's time for the text",
     )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="significance level: a verdict is better / worse only when the paired test's p is below it",
+    )
     parser.add_argument("--no-icl", action="store_true", help="skip the zero-shot ICL system")
     parser.add_argument("--device", help="default cuda:0 when available, else cpu")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
@@ -98,6 +104,7 @@ def evaluate_command(argv: list[str]) -> int:
         seed=args.seed,
         limit_factor=args.limit_factor,
         icl=not args.no_icl,
+        alpha=args.alpha,
         device=args.device,
         dtype=args.dtype,
         trust_checkpoint=args.trust_checkpoint,

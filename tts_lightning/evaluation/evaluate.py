@@ -172,13 +172,14 @@ def evaluate(
     seed: int = 0,
     limit_factor: float = DEFAULT_LIMIT_FACTOR,
     icl: bool = True,
+    alpha: float = 0.05,
     device: str | None = None,
     dtype: Dtype | None = None,
     trust_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
     return the result (what the JSON holds)."""
-    _check_settings(num_samples=num_samples, max_texts=max_texts)
+    _check_settings(num_samples=num_samples, max_texts=max_texts, alpha=alpha)
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -221,17 +222,18 @@ def evaluate(
             "device": device,
             "dtype": dtype,
             "max_texts": max_texts,
+            "alpha": alpha,
         },
         "speakers": {},
     }
     for plan in plans:
         systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name])
-        result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name])
+        result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name], alpha)
     _write_outputs(out, result)
     return result
 
 
-def _check_settings(*, num_samples: int, max_texts: int) -> None:
+def _check_settings(*, num_samples: int, max_texts: int, alpha: float) -> None:
     """Refuse what cannot be evaluated before anything is read or loaded."""
     from tts_lightning.metrics.speaker_similarity import similarity_unavailable
 
@@ -239,6 +241,8 @@ def _check_settings(*, num_samples: int, max_texts: int) -> None:
         raise EvaluationError(f"num_samples must be >= 1, got {num_samples}")
     if max_texts < 1:
         raise EvaluationError(f"max_texts must be >= 1, got {max_texts}")
+    if not 0 < alpha < 1:
+        raise EvaluationError(f"alpha (--alpha, the significance level of a verdict) must be in (0, 1), got {alpha}")
     reason = similarity_unavailable()
     if reason is not None:
         raise EvaluationError(f"speaker similarity is needed: {reason}")
@@ -311,7 +315,7 @@ def _score_speaker(
     return systems
 
 
-def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float) -> dict[str, Any]:
+def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float, alpha: float) -> dict[str, Any]:
     """What ``evaluation.json`` holds for one speaker: its plan, each system's summary, the comparisons."""
     from tts_lightning.evaluation.report import comparisons, summarize
 
@@ -324,7 +328,7 @@ def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: flo
         "seconds_per_character": pace,
         "texts": plan.texts,
         "summary": {s: summarize(g) for s, g in systems.items()},
-        "comparison": comparisons(systems),
+        "comparison": comparisons(systems, alpha=alpha),
         "generations": systems,
     }
 
