@@ -3,8 +3,9 @@
 After every N-th validation run it speaks a few fixed texts as each speaker of the run with the
 current weights, logs the audio (24 kHz) and a mel spectrogram to TensorBoard at the global step,
 a figure of each sample's spectrogram beside the speaker's real reference clip (time and frequency
-axes, step and similarity in the title; the real clip's audio once as ``real/<speaker>``), and logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so
-that a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
+axes, step and similarity in the title; the real clip's audio once as ``real/<speaker>``), and
+logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so that
+a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
 over the speaker's real clips'; 1 = the speaker's pace) and ``val/eos_failure_rate`` (the share of
 samples that did not end within a limit set from the text's length and the speaker's pace).
 
