@@ -60,7 +60,10 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     root, ckpt, voice, cache = finetuned
     out = root / "eval-export"
     assert (
-        run("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT, "--num-samples", 2)
+        run(
+            *("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT),
+            *("--num-samples", 2, "--asr", "pocketsphinx"),
+        )
         == 0
     )
     printed = capsys.readouterr().out
@@ -85,11 +88,13 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
                 assert 2 <= g["frames"] <= g["frame_limit"]
                 assert g["eos_failure"] == (g["frames"] >= g["frame_limit"])
                 assert -1.0 <= g["similarity"] <= 1.0 and g["speaking_rate_ratio"] > 0
+                # The random tiny model's noise is not speech: the recognizer hears (almost) nothing.
+                assert isinstance(g["transcript"], str) and g["cer"] >= 0.7 and g["wer"] >= 0.7
             summary = speaker["summary"][system]
             assert summary["generations"] == 2 and summary["real_time_factor"] > 0
             assert summary["eos_failure_rate"] == summary["eos_failures"] / 2
         for other in SYSTEMS[1:]:
-            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t")):
+            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t"), ("cer", "paired t")):
                 c = speaker["comparison"][other][metric]
                 assert c["verdict"] in ("better", "worse", "within noise") and c["test"] == test
                 assert c["pairs"] == 2 and 0.0 <= c["p_value"] <= 1.0
@@ -102,6 +107,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     assert "bob: no validation clips" in table
     for name in SPEAKERS:
         assert f"| {name} | speaker similarity |" in table and f"| {name} | end-of-speech failures |" in table
+        assert f"| {name} | character error rate |" in table and f"| {name} | word error rate |" in table
 
     # The training checkpoint itself (exported on the fly, fp32 on CPU): the same audio for the same
     # seeds, and the base model named by the checkpoint.
@@ -127,6 +133,8 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     again = json.loads((out_ckpt / "evaluation.json").read_text())
     assert again["model_kind"] == "training checkpoint" and list(again["speakers"]) == ["bob"]
     assert sorted(again["speakers"]["bob"]["generations"]) == ["fine_tuned", "zero_shot_xvector"]
+    assert "cer" not in again["speakers"]["bob"]["generations"]["fine_tuned"][0]  # no --asr: not scored
+    assert "character error rate" not in (out_ckpt / "evaluation.md").read_text()
     for system in ("fine_tuned", "zero_shot_xvector"):
         a = sf.read(again["speakers"]["bob"]["generations"][system][0]["audio"])[0]
         b = sf.read(result["speakers"]["bob"]["generations"][system][0]["audio"])[0]

@@ -173,6 +173,7 @@ def evaluate(
     limit_factor: float = DEFAULT_LIMIT_FACTOR,
     icl: bool = True,
     alpha: float = 0.05,
+    asr: str | None = None,
     device: str | None = None,
     dtype: Dtype | None = None,
     trust_checkpoint: bool = False,
@@ -223,11 +224,17 @@ def evaluate(
             "dtype": dtype,
             "max_texts": max_texts,
             "alpha": alpha,
+            "asr": asr,
         },
         "speakers": {},
     }
+    recognizer = None
+    if asr is not None:  # after generation: one model in memory at a time
+        from tts_lightning.evaluation.asr import make_recognizer
+
+        recognizer = make_recognizer(asr, device=device)
     for plan in plans:
-        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name])
+        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name], recognizer)
         result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name], alpha)
     _write_outputs(out, result)
     return result
@@ -289,10 +296,16 @@ def _generate_all(
 
 
 def _score_speaker(
-    plan: SpeakerPlan, generated: dict[str, dict[str, list[dict]]], real_audio: list[np.ndarray], pace: float
+    plan: SpeakerPlan,
+    generated: dict[str, dict[str, list[dict]]],
+    real_audio: list[np.ndarray],
+    pace: float,
+    recognizer=None,
 ) -> dict[str, list[dict]]:
     """One speaker's generations by system, each scored in place (speaker similarity to the real
-    clips, speaking-rate ratio; None for silence) and its audio dropped."""
+    clips, speaking-rate ratio; None for silence; with a ``recognizer``, its transcript and CER / WER
+    against the text) and its audio dropped."""
+    from tts_lightning.evaluation.asr import error_rates
     from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding
 
     reference = reference_embedding(real_audio, SAMPLE_RATE)
@@ -311,6 +324,9 @@ def _score_speaker(
             )
             ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, pace)
             g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
+            if recognizer is not None:
+                g["transcript"] = recognizer.transcribe(wav, SAMPLE_RATE) if audible else ""
+                g.update(error_rates(plan.texts[g["text_index"]], g["transcript"]))
         systems[system] = gens
     return systems
 

@@ -15,7 +15,7 @@ SYSTEM_LABELS = {
 DEFAULT_ALPHA = 0.05
 
 
-def mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation of the finite values (None when there are none)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -75,6 +75,8 @@ COMPARED = {
     "speaker_similarity": ("similarity", True, "speaker similarity"),
     "pace_error": ("pace_error", False, "pace error |log rate ratio|"),
     "eos_failure_rate": ("eos_failure", False, "end-of-speech failures"),
+    "cer": ("cer", False, "character error rate"),  # with --asr only
+    "wer": ("wer", False, "word error rate"),
 }
 
 
@@ -97,6 +99,8 @@ def summarize(generations: list[dict[str, Any]]) -> dict[str, Any]:
         "generations": len(generations),
         "speaker_similarity": {"mean": sim_m, "sd": sim_sd},
         "speaking_rate_ratio": {"mean": rate_m, "sd": rate_sd},
+        "cer": dict(zip(("mean", "sd"), mean_sd([g.get("cer") for g in generations]), strict=True)),
+        "wer": dict(zip(("mean", "sd"), mean_sd([g.get("wer") for g in generations]), strict=True)),
         "eos_failures": failures,
         "eos_failure_rate": failures / len(generations) if generations else None,
         "mean_seconds": dur_m,
@@ -129,7 +133,7 @@ def _value(generation: dict[str, Any], field: str) -> float | None:
         return pace_error(generation["speaking_rate_ratio"])
     if field == "eos_failure":
         return 1.0 if generation["eos_failure"] else 0.0
-    return generation[field]
+    return generation.get(field)
 
 
 def _fmt(mean: float | None, sd: float | None = None, digits: int = 3) -> str:
@@ -185,6 +189,9 @@ def markdown_table(result: dict[str, Any]) -> str:
             "pace_error",
             2,
         )
+        if summary["fine_tuned"].get("cer", {}).get("mean") is not None:  # scored with --asr
+            for key, label in (("cer", "character error rate"), ("wer", "word error rate")):
+                row(label, lambda s, k=key: _fmt(s[k]["mean"], s[k]["sd"]), key)
         row("end-of-speech failures", lambda s: f"{s['eos_failures']}/{s['generations']}", "eos_failure_rate", 2)
         row("mean duration (s)", lambda s: _fmt(s["mean_seconds"], digits=2))
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
