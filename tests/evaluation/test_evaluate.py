@@ -56,17 +56,28 @@ def run(*args):
     return main(["evaluate", *map(str, args)])
 
 
-def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys):
+@pytest.fixture(scope="module")
+def evaluated(finetuned, tiny_dir):
+    """The one evaluate run (exported model, 2 samples, pocketsphinx) the tests below read: its
+    output folder and what it printed."""
+    import contextlib
+    import io
+
     root, ckpt, voice, cache = finetuned
     out = root / "eval-export"
-    assert (
-        run(
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = run(
             *("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT),
             *("--num-samples", 2, "--asr", "pocketsphinx"),
         )
-        == 0
-    )
-    printed = capsys.readouterr().out
+    assert code == 0
+    return out, printed.getvalue()
+
+
+def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
+    root, ckpt, voice, cache = finetuned
+    out, printed = evaluated
     result = json.loads((out / "evaluation.json").read_text())
     assert result["model_kind"] == "exported directory" and result["settings"]["alpha"] == 0.05
     assert sorted(result["speakers"]) == SPEAKERS
@@ -164,3 +175,39 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
     assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 2
     assert "no prepared data index" in capsys.readouterr().err
     assert not list((root / "eval-errors").glob("*.json"))
+
+
+def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
+    """evaluation.html in Debian's chromium (Playwright drives it): no console errors, one player per
+    generation plus one real clip per speaker, every source decodes to its clip's duration, one chart
+    per speaker. The screenshot is left in the test's tmp folder."""
+    from playwright.sync_api import sync_playwright
+
+    out, _ = evaluated
+    result = json.loads((out / "evaluation.json").read_text())
+    gens = [g for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        page = browser.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto((out / "evaluation.html").as_uri())
+        assert page.locator("audio.generation").count() == len(gens) == 12
+        assert page.locator("audio.reference").count() == len(SPEAKERS)
+        assert page.locator("div.chart svg").count() == len(SPEAKERS)
+        durations = page.evaluate(
+            """() => Promise.all([...document.querySelectorAll('audio.generation')].map(a => new Promise(
+                (ok, bad) => {
+                    if (a.readyState >= 1) return ok(a.duration);
+                    a.addEventListener('loadedmetadata', () => ok(a.duration));
+                    a.addEventListener('error', () => bad(new Error('cannot decode: ' + a.error.code)));
+                    a.load();
+                })))"""
+        )
+        page.screenshot(path=str(tmp_path / "evaluation.png"), full_page=True)
+        browser.close()
+    assert not errors, errors
+    expected = [g["seconds"] for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
+    assert durations == pytest.approx(expected, abs=0.01)
+    assert (tmp_path / "evaluation.png").stat().st_size > 10_000

@@ -350,13 +350,17 @@ def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: flo
 
 
 def _write_outputs(out: Path, result: dict[str, Any]) -> None:
-    """``evaluation.json`` and ``evaluation.md`` (the table, also put in ``result["table"]``)."""
+    """``evaluation.json``, ``evaluation.md`` (the table, also put in ``result["table"]``) and
+    ``evaluation.html`` (the page to listen and see)."""
+    from tts_lightning.evaluation.html_report import evaluation_html
     from tts_lightning.evaluation.report import markdown_table
     from tts_lightning.files import atomic_write, atomic_write_json
 
     atomic_write_json(out / "evaluation.json", result)
     table = markdown_table(result)
     atomic_write(out / "evaluation.md", lambda fh: fh.write(table), binary=False)
+    page = evaluation_html(result, SAMPLE_RATE)
+    atomic_write(out / "evaluation.html", lambda fh: fh.write(page), binary=False)
     result["table"] = table
 
 
