@@ -58,8 +58,8 @@ def run(*args):
 
 @pytest.fixture(scope="module")
 def evaluated(finetuned, tiny_dir):
-    """The one evaluate run (exported model, 2 samples, pocketsphinx) the tests below read: its
-    output folder and what it printed."""
+    """The one evaluate run (exported model, 2 samples) the tests below read: its output folder and
+    what it printed."""
     import contextlib
     import io
 
@@ -69,7 +69,7 @@ def evaluated(finetuned, tiny_dir):
     with contextlib.redirect_stdout(printed):
         code = run(
             *("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT),
-            *("--num-samples", 2, "--asr", "pocketsphinx"),
+            *("--num-samples", 2),
         )
     assert code == 0
     return out, printed.getvalue()
@@ -99,13 +99,12 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
                 assert 2 <= g["frames"] <= g["frame_limit"]
                 assert g["eos_failure"] == (g["frames"] >= g["frame_limit"])
                 assert -1.0 <= g["similarity"] <= 1.0 and g["speaking_rate_ratio"] > 0
-                # The random tiny model's noise is not speech: the recognizer hears (almost) nothing.
-                assert isinstance(g["transcript"], str) and g["cer"] >= 0.7 and g["wer"] >= 0.7
+                assert "cer" not in g  # no --asr: not scored
             summary = speaker["summary"][system]
             assert summary["generations"] == 2 and summary["real_time_factor"] > 0
             assert summary["eos_failure_rate"] == summary["eos_failures"] / 2
         for other in SYSTEMS[1:]:
-            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t"), ("cer", "paired t")):
+            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t")):
                 c = speaker["comparison"][other][metric]
                 assert c["verdict"] in ("better", "worse", "within noise") and c["test"] == test
                 assert c["pairs"] == 2 and 0.0 <= c["p_value"] <= 1.0
@@ -118,7 +117,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
     assert "bob: no validation clips" in table
     for name in SPEAKERS:
         assert f"| {name} | speaker similarity |" in table and f"| {name} | end-of-speech failures |" in table
-        assert f"| {name} | character error rate |" in table and f"| {name} | word error rate |" in table
+        assert "character error rate" not in table
 
     # The training checkpoint itself (exported on the fly, fp32 on CPU): the same audio for the same
     # seeds, and the base model named by the checkpoint.
@@ -138,14 +137,23 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
             "--speaker",
             "bob",
             "--no-icl",
+            "--asr",
+            "pocketsphinx",
         )
         == 0
     )
     again = json.loads((out_ckpt / "evaluation.json").read_text())
     assert again["model_kind"] == "training checkpoint" and list(again["speakers"]) == ["bob"]
     assert sorted(again["speakers"]["bob"]["generations"]) == ["fine_tuned", "zero_shot_xvector"]
-    assert "cer" not in again["speakers"]["bob"]["generations"]["fine_tuned"][0]  # no --asr: not scored
-    assert "character error rate" not in (out_ckpt / "evaluation.md").read_text()
+    # Intelligibility (pocketsphinx): the random tiny model's noise is not speech, the recognizer hears
+    # (almost) nothing of the text.
+    for g in (gs[0] for gs in again["speakers"]["bob"]["generations"].values()):
+        assert isinstance(g["transcript"], str) and g["cer"] >= 0.7 and g["wer"] >= 0.7
+    cer = again["speakers"]["bob"]["comparison"]["zero_shot_xvector"]["cer"]
+    assert cer["test"] == "paired t" and cer["pairs"] == 1 and cer["verdict"] == "within noise"  # one pair
+    assert again["speakers"]["bob"]["summary"]["fine_tuned"]["cer"]["mean"] >= 0.7
+    table = (out_ckpt / "evaluation.md").read_text()
+    assert "| bob | character error rate |" in table and "| bob | word error rate |" in table
     for system in ("fine_tuned", "zero_shot_xvector"):
         a = sf.read(again["speakers"]["bob"]["generations"][system][0]["audio"])[0]
         b = sf.read(result["speakers"]["bob"]["generations"][system][0]["audio"])[0]
