@@ -24,10 +24,12 @@ $(BIN)/tts-lightning: pyproject.toml
 install: $(BIN)/tts-lightning
 
 # The demo: build the tiny model, fine-tune it on the two demo speakers with FSDP on 2 CPU
-# processes, export the last checkpoint as a custom_voice model and speak with the new voice.
+# processes (with samples, spectrograms beside the real clips and the codebook chart in TensorBoard:
+# configs/demo/listen.yaml), export the last checkpoint as a custom_voice model and speak with it.
 demo: install
 	$(CPU_ENV) $(BIN)/tts-lightning tiny-model runs/tiny-model
-	$(CPU_ENV) $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --data.pretrained runs/tiny-model
+	$(CPU_ENV) $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --config configs/demo/listen.yaml \
+		--data.pretrained runs/tiny-model
 	$(CPU_ENV) $(BIN)/tts-lightning export --overwrite --dtype fp32 \
 		--ckpt runs/tiny-cpu/checkpoints/last.ckpt \
 		--out runs/tiny-cpu/voice

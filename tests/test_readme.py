@@ -50,6 +50,16 @@ def test_make_demo_commands(demo_workspace):
     assert (workspace / "runs" / "tiny-cpu" / "checkpoints" / "last.ckpt").exists()
     assert (workspace / "runs" / "tiny-cpu" / "voice").is_dir()
     assert (workspace / "runs" / "tiny-cpu" / "hello_alice.wav").is_file()
+    # configs/demo/listen.yaml: the demo shows samples beside the real clips and the codebook chart.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (workspace / "runs" / "tiny-cpu" / "tensorboard").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert "custom_scalars__config__" in tags["tensors"] and "val/acc_codebook_mean" in tags["scalars"], tags
+    assert {"spectrograms_vs_real/alice/0", "spectrograms_vs_real/bob/0"} <= set(tags["images"]), tags
+    assert {"real/alice", "real/bob", "samples/alice/0"} <= set(tags["audio"]), tags
 
 
 @pytest.fixture(scope="module")

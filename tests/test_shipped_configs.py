@@ -119,6 +119,7 @@ def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, ru
         assert any(t.startswith("samples/") for t in tags["audio"]), tags
         assert any(t.startswith("baseline_samples/") for t in tags["audio"]), tags
         assert "val/speaker_similarity" in tags["scalars"], tags["scalars"]
+        assert any(t.startswith("spectrograms_vs_real/") for t in tags["images"]), tags["images"]
 
     # The speaker table the run saves (and export writes) is the prepared fp32 one, bit for bit, also
     # through bf16-mixed (FSDP1's root would cast the batch's embeddings to bf16).

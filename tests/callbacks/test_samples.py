@@ -49,6 +49,10 @@ def check_audio(acc, steps):
             images = acc.Images(f"spectrograms/{speaker}/{i}")
             assert [e.step for e in images] == steps
             assert images[0].height == 80 and images[0].width > 5
+            figures = acc.Images(f"spectrograms_vs_real/{speaker}/{i}")  # beside the real clip, with axes
+            assert [e.step for e in figures] == steps and figures[0].width == 800
+        real = acc.Audio(f"real/{speaker}")  # the real voice, once (with the baseline at step 0)
+        assert len(real) == 1 and real[0].step in (0, steps[0]) and real[0].sample_rate == 24_000
     assert "samples/text_0/text_summary" in tags["tensors"]  # what was said
 
 

@@ -56,16 +56,30 @@ def run(*args):
     return main(["evaluate", *map(str, args)])
 
 
-def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys):
+@pytest.fixture(scope="module")
+def evaluated(finetuned, tiny_dir):
+    """The one evaluate run (exported model, 2 samples) the tests below read: its output folder and
+    what it printed."""
+    import contextlib
+    import io
+
     root, ckpt, voice, cache = finetuned
     out = root / "eval-export"
-    assert (
-        run("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT, "--num-samples", 2)
-        == 0
-    )
-    printed = capsys.readouterr().out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = run(
+            *("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT),
+            *("--num-samples", 2),
+        )
+    assert code == 0
+    return out, printed.getvalue()
+
+
+def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
+    root, ckpt, voice, cache = finetuned
+    out, printed = evaluated
     result = json.loads((out / "evaluation.json").read_text())
-    assert result["model_kind"] == "exported directory"
+    assert result["model_kind"] == "exported directory" and result["settings"]["alpha"] == 0.05
     assert sorted(result["speakers"]) == SPEAKERS
     for name in SPEAKERS:
         speaker = result["speakers"][name]
@@ -85,12 +99,17 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
                 assert 2 <= g["frames"] <= g["frame_limit"]
                 assert g["eos_failure"] == (g["frames"] >= g["frame_limit"])
                 assert -1.0 <= g["similarity"] <= 1.0 and g["speaking_rate_ratio"] > 0
+                assert "cer" not in g  # no --asr: not scored
             summary = speaker["summary"][system]
             assert summary["generations"] == 2 and summary["real_time_factor"] > 0
             assert summary["eos_failure_rate"] == summary["eos_failures"] / 2
         for other in SYSTEMS[1:]:
-            for metric in ("speaker_similarity", "pace_error", "eos_failure_rate"):
-                assert speaker["comparison"][other][metric]["verdict"] in ("better", "worse", "within noise")
+            for metric, test in (("speaker_similarity", "paired t"), ("pace_error", "paired t")):
+                c = speaker["comparison"][other][metric]
+                assert c["verdict"] in ("better", "worse", "within noise") and c["test"] == test
+                assert c["pairs"] == 2 and 0.0 <= c["p_value"] <= 1.0
+            eos = speaker["comparison"][other]["eos_failure_rate"]
+            assert eos["test"] == "exact McNemar" and eos["verdict"] == "within noise"  # 2 pairs never suffice
     table = (out / "evaluation.md").read_text()
     assert table in printed
     header = table.splitlines()[0]
@@ -98,6 +117,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
     assert "bob: no validation clips" in table
     for name in SPEAKERS:
         assert f"| {name} | speaker similarity |" in table and f"| {name} | end-of-speech failures |" in table
+        assert "character error rate" not in table
 
     # The training checkpoint itself (exported on the fly, fp32 on CPU): the same audio for the same
     # seeds, and the base model named by the checkpoint.
@@ -117,12 +137,23 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, tiny_dir, capsys)
             "--speaker",
             "bob",
             "--no-icl",
+            "--asr",
+            "pocketsphinx",
         )
         == 0
     )
     again = json.loads((out_ckpt / "evaluation.json").read_text())
     assert again["model_kind"] == "training checkpoint" and list(again["speakers"]) == ["bob"]
     assert sorted(again["speakers"]["bob"]["generations"]) == ["fine_tuned", "zero_shot_xvector"]
+    # Intelligibility (pocketsphinx): the random tiny model's noise is not speech, the recognizer hears
+    # (almost) nothing of the text.
+    for g in (gs[0] for gs in again["speakers"]["bob"]["generations"].values()):
+        assert isinstance(g["transcript"], str) and g["cer"] >= 0.7 and g["wer"] >= 0.7
+    cer = again["speakers"]["bob"]["comparison"]["zero_shot_xvector"]["cer"]
+    assert cer["test"] == "paired t" and cer["pairs"] == 1 and cer["verdict"] == "within noise"  # one pair
+    assert again["speakers"]["bob"]["summary"]["fine_tuned"]["cer"]["mean"] >= 0.7
+    table = (out_ckpt / "evaluation.md").read_text()
+    assert "| bob | character error rate |" in table and "| bob | word error rate |" in table
     for system in ("fine_tuned", "zero_shot_xvector"):
         a = sf.read(again["speakers"]["bob"]["generations"][system][0]["audio"])[0]
         b = sf.read(result["speakers"]["bob"]["generations"][system][0]["audio"])[0]
@@ -152,3 +183,39 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
     assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 2
     assert "no prepared data index" in capsys.readouterr().err
     assert not list((root / "eval-errors").glob("*.json"))
+
+
+def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
+    """evaluation.html in Debian's chromium (Playwright drives it): no console errors, one player per
+    generation plus one real clip per speaker, every source decodes to its clip's duration, one chart
+    per speaker. The screenshot is left in the test's tmp folder."""
+    from playwright.sync_api import sync_playwright
+
+    out, _ = evaluated
+    result = json.loads((out / "evaluation.json").read_text())
+    gens = [g for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        page = browser.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto((out / "evaluation.html").as_uri())
+        assert page.locator("audio.generation").count() == len(gens) == 12
+        assert page.locator("audio.reference").count() == len(SPEAKERS)
+        assert page.locator("div.chart svg").count() == len(SPEAKERS)
+        durations = page.evaluate(
+            """() => Promise.all([...document.querySelectorAll('audio.generation')].map(a => new Promise(
+                (ok, bad) => {
+                    if (a.readyState >= 1) return ok(a.duration);
+                    a.addEventListener('loadedmetadata', () => ok(a.duration));
+                    a.addEventListener('error', () => bad(new Error('cannot decode: ' + a.error.code)));
+                    a.load();
+                })))"""
+        )
+        page.screenshot(path=str(tmp_path / "evaluation.png"), full_page=True)
+        browser.close()
+    assert not errors, errors
+    expected = [g["seconds"] for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
+    assert durations == pytest.approx(expected, abs=0.01)
+    assert (tmp_path / "evaluation.png").stat().st_size > 10_000

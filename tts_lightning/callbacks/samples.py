@@ -2,8 +2,10 @@
 
 After every N-th validation run it speaks a few fixed texts as each speaker of the run with the
 current weights, logs the audio (24 kHz) and a mel spectrogram to TensorBoard at the global step,
-and logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so
-that a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
+a figure of each sample's spectrogram beside the speaker's real reference clip (time and frequency
+axes, step and similarity in the title; the real clip's audio once as ``real/<speaker>``), and
+logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so that
+a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
 over the speaker's real clips'; 1 = the speaker's pace) and ``val/eos_failure_rate`` (the share of
 samples that did not end within a limit set from the text's length and the speaker's pace).
 
@@ -36,6 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from tts_lightning.callbacks.figures import log_comparisons
 from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, speech_tokenizer_on
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
 from tts_lightning.callbacks.spectrogram import mel_image
@@ -120,6 +123,7 @@ class SpeakerSamplesCallback(Callback):
         self.below_baseline = 0
         self.validation_runs = 0
         self._warned: set[str] = set()
+        self._real_logged: set[str] = set()  # speakers whose real clip TensorBoard has
         self._text = None  # text tokenizer, rank 0 only
         self._speech = None  # speech tokenizer, rank 0 only, kept in host memory
         self.facts = SpeakerFacts(
@@ -330,6 +334,9 @@ class SpeakerSamplesCallback(Callback):
         samples, spectrograms = (
             ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
         )
+        scores: dict[str, float] = {}  # per speaker, filled by _score
+        similarity = self._score(trainer, rows, wavs, loggers, step, baseline, scores) if scoring else None
+        real = {s: self.facts.reference_clip(trainer, s) for s in dict.fromkeys(s for s, _ in rows)}
         for logger in loggers:
             writer = logger.experiment
             for i, text in enumerate(self.texts):
@@ -344,9 +351,14 @@ class SpeakerSamplesCallback(Callback):
                     sample_rate=SAMPLE_RATE,
                 )
                 writer.add_image(f"{spectrograms}/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
+            log_comparisons(writer, f"{spectrograms}_vs_real", rows, wavs, self.texts, real, scores, step)
+            for speaker, clip in real.items():  # the real voice to listen to, beside the samples
+                if clip is not None and speaker not in self._real_logged:
+                    writer.add_audio(f"real/{speaker}", torch.from_numpy(clip)[None], step, sample_rate=SAMPLE_RATE)
             writer.flush()
+        self._real_logged.update(s for s, c in real.items() if c is not None)
         values = {
-            "speaker_similarity": self._score(trainer, rows, wavs, loggers, step, baseline) if scoring else None,
+            "speaker_similarity": similarity,
             "speaking_rate_ratio": self._rate_ratio(trainer, rows, wavs),
             "eos_failure_rate": sum(failures) / len(failures),
         }
@@ -370,7 +382,7 @@ class SpeakerSamplesCallback(Callback):
             ratios.append(speaking_rate_ratio(wav, self.texts[i], SAMPLE_RATE, pace))
         return float(np.mean(ratios)) if ratios else None
 
-    def _score(self, trainer, rows, wavs, loggers, step, baseline: bool = False) -> float | None:
+    def _score(self, trainer, rows, wavs, loggers, step, baseline: bool = False, scores=None) -> float | None:
         from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity
 
         # Rank 0 alone scores: its metrics must not sync in compute() (a collective the other
@@ -384,6 +396,8 @@ class SpeakerSamplesCallback(Callback):
             one = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
             one.update(generated, reference)
             overall.update(generated, reference)
+            if scores is not None:
+                scores[speaker] = float(one.compute())
             for logger in loggers:
                 name = f"{BASELINE_PREFIX}speaker_similarity" if baseline else METRIC_NAME
                 logger.experiment.add_scalar(f"{name}/{speaker}", float(one.compute()), step)

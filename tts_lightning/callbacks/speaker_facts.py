@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import cast
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,6 +42,7 @@ class SpeakerFacts:
         self._index: dict | None = None
         self._references: dict[str, Tensor] = {}
         self._paces: dict[str, float | None] = {}
+        self._clips: dict[str, np.ndarray | None] = {}
 
     def prepared_index(self, trainer: pl.Trainer) -> dict | None:
         """The data module's ``prepared.json`` (speakers, their reference clips, clip languages)."""
@@ -112,6 +114,23 @@ class SpeakerFacts:
             clips = [load_audio(path, SAMPLE_RATE) for path in entry["references"]]
             self._references[speaker] = reference_embedding(clips, SAMPLE_RATE)
         return self._references[speaker]
+
+    def reference_clip(self, trainer: pl.Trainer, speaker: str) -> np.ndarray | None:
+        """The speaker's first reference clip at 24 kHz (what its samples are shown beside), None
+        when the prepared index has none or it cannot be read."""
+        if speaker not in self._clips:
+            index = self.prepared_index(trainer) or {}
+            entry = next((s for s in index.get("speakers", []) if s.get("name") == speaker), None) or {}
+            clip = None
+            if entry.get("references"):
+                from tts_lightning.data.audio import load_audio
+
+                try:
+                    clip = load_audio(entry["references"][0], SAMPLE_RATE).numpy().reshape(-1)
+                except (OSError, ValueError, RuntimeError) as exc:
+                    self.warn(f"clip-{speaker}", f"SpeakerSamplesCallback: cannot read {speaker!r}'s reference ({exc})")
+            self._clips[speaker] = clip
+        return self._clips[speaker]
 
     def pace(self, trainer: pl.Trainer, speaker: str) -> float | None:
         """The speaker's seconds of speech per character on its real clips (its reference and

@@ -55,6 +55,17 @@ def evaluate_command(argv: list[str]) -> int:
         default=3.0,
         help="a generation fails to end when it runs past this many times the speaker's time for the text",
     )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="significance level: a verdict is better / worse only when the paired test's p is below it",
+    )
+    parser.add_argument(
+        "--asr",
+        help="score intelligibility (CER, WER against the text) with this recognizer: a Whisper checkpoint "
+        "(openai/whisper-small or a local folder) or pocketsphinx (offline, weak); default off",
+    )
     parser.add_argument("--no-icl", action="store_true", help="skip the zero-shot ICL system")
     parser.add_argument("--device", help="default cuda:0 when available, else cpu")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
@@ -83,6 +94,8 @@ def evaluate_command(argv: list[str]) -> int:
         seed=args.seed,
         limit_factor=args.limit_factor,
         icl=not args.no_icl,
+        alpha=args.alpha,
+        asr=args.asr,
         device=args.device,
         dtype=args.dtype,
         trust_checkpoint=args.trust_checkpoint,

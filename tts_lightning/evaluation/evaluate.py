@@ -172,13 +172,15 @@ def evaluate(
     seed: int = 0,
     limit_factor: float = DEFAULT_LIMIT_FACTOR,
     icl: bool = True,
+    alpha: float = 0.05,
+    asr: str | None = None,
     device: str | None = None,
     dtype: Dtype | None = None,
     trust_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
     return the result (what the JSON holds)."""
-    _check_settings(num_samples=num_samples, max_texts=max_texts)
+    _check_settings(num_samples=num_samples, max_texts=max_texts, alpha=alpha)
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -221,17 +223,24 @@ def evaluate(
             "device": device,
             "dtype": dtype,
             "max_texts": max_texts,
+            "alpha": alpha,
+            "asr": asr,
         },
         "speakers": {},
     }
+    recognizer = None
+    if asr is not None:  # after generation: one model in memory at a time
+        from tts_lightning.evaluation.asr import make_recognizer
+
+        recognizer = make_recognizer(asr, device=device)
     for plan in plans:
-        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name])
-        result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name])
+        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name], recognizer)
+        result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name], alpha)
     _write_outputs(out, result)
     return result
 
 
-def _check_settings(*, num_samples: int, max_texts: int) -> None:
+def _check_settings(*, num_samples: int, max_texts: int, alpha: float) -> None:
     """Refuse what cannot be evaluated before anything is read or loaded."""
     from tts_lightning.metrics.speaker_similarity import similarity_unavailable
 
@@ -239,6 +248,8 @@ def _check_settings(*, num_samples: int, max_texts: int) -> None:
         raise EvaluationError(f"num_samples must be >= 1, got {num_samples}")
     if max_texts < 1:
         raise EvaluationError(f"max_texts must be >= 1, got {max_texts}")
+    if not 0 < alpha < 1:
+        raise EvaluationError(f"alpha (--alpha, the significance level of a verdict) must be in (0, 1), got {alpha}")
     reason = similarity_unavailable()
     if reason is not None:
         raise EvaluationError(f"speaker similarity is needed: {reason}")
@@ -285,10 +296,16 @@ def _generate_all(
 
 
 def _score_speaker(
-    plan: SpeakerPlan, generated: dict[str, dict[str, list[dict]]], real_audio: list[np.ndarray], pace: float
+    plan: SpeakerPlan,
+    generated: dict[str, dict[str, list[dict]]],
+    real_audio: list[np.ndarray],
+    pace: float,
+    recognizer=None,
 ) -> dict[str, list[dict]]:
     """One speaker's generations by system, each scored in place (speaker similarity to the real
-    clips, speaking-rate ratio; None for silence) and its audio dropped."""
+    clips, speaking-rate ratio; None for silence; with a ``recognizer``, its transcript and CER / WER
+    against the text) and its audio dropped."""
+    from tts_lightning.evaluation.asr import error_rates
     from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding
 
     reference = reference_embedding(real_audio, SAMPLE_RATE)
@@ -307,11 +324,14 @@ def _score_speaker(
             )
             ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, pace)
             g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
+            if recognizer is not None:
+                g["transcript"] = recognizer.transcribe(wav, SAMPLE_RATE) if audible else ""
+                g.update(error_rates(plan.texts[g["text_index"]], g["transcript"]))
         systems[system] = gens
     return systems
 
 
-def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float) -> dict[str, Any]:
+def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float, alpha: float) -> dict[str, Any]:
     """What ``evaluation.json`` holds for one speaker: its plan, each system's summary, the comparisons."""
     from tts_lightning.evaluation.report import comparisons, summarize
 
@@ -324,19 +344,23 @@ def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: flo
         "seconds_per_character": pace,
         "texts": plan.texts,
         "summary": {s: summarize(g) for s, g in systems.items()},
-        "comparison": comparisons(systems),
+        "comparison": comparisons(systems, alpha=alpha),
         "generations": systems,
     }
 
 
 def _write_outputs(out: Path, result: dict[str, Any]) -> None:
-    """``evaluation.json`` and ``evaluation.md`` (the table, also put in ``result["table"]``)."""
+    """``evaluation.json``, ``evaluation.md`` (the table, also put in ``result["table"]``) and
+    ``evaluation.html`` (the page to listen and see)."""
+    from tts_lightning.evaluation.html_report import evaluation_html
     from tts_lightning.evaluation.report import markdown_table
     from tts_lightning.files import atomic_write, atomic_write_json
 
     atomic_write_json(out / "evaluation.json", result)
     table = markdown_table(result)
     atomic_write(out / "evaluation.md", lambda fh: fh.write(table), binary=False)
+    page = evaluation_html(result, SAMPLE_RATE)
+    atomic_write(out / "evaluation.html", lambda fh: fh.write(page), binary=False)
     result["table"] = table
 
 

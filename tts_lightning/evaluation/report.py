@@ -11,11 +11,11 @@ SYSTEM_LABELS = {
     "zero_shot_xvector": "zero-shot x-vector",
     "zero_shot_icl": "zero-shot ICL",
 }
-# A difference counts when it is larger than this many standard errors of the difference.
-NOISE_Z = 2.0
+# A difference counts when a paired test rejects "no difference" at this level (``--alpha``).
+DEFAULT_ALPHA = 0.05
 
 
-def mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation of the finite values (None when there are none)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -25,23 +25,49 @@ def mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
     return m, sd
 
 
-def compare(ours: Sequence[float | None], theirs: Sequence[float | None], *, higher_is_better: bool) -> dict[str, Any]:
-    """Difference of means (ours - theirs), its standard error from the spread of both, and a
-    verdict: "better" / "worse" when the difference exceeds `NOISE_Z` standard errors in the
-    good / bad direction, else "within noise"."""
-    a = [float(v) for v in ours if v is not None and math.isfinite(v)]
-    b = [float(v) for v in theirs if v is not None and math.isfinite(v)]
-    if not a or not b:
-        return {"difference": None, "noise": None, "verdict": "n/a"}
-    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
-    assert ma is not None and sa is not None and mb is not None and sb is not None  # a and b are finite
-    diff = ma - mb
-    noise = NOISE_Z * math.sqrt(sa**2 / len(a) + sb**2 / len(b))
-    if abs(diff) <= noise or diff == 0:
+def compare(
+    ours: Sequence[float | None],
+    theirs: Sequence[float | None],
+    *,
+    higher_is_better: bool,
+    binary: bool = False,
+    alpha: float = DEFAULT_ALPHA,
+) -> dict[str, Any]:
+    """``ours[i]`` and ``theirs[i]`` are the same (text, seed) spoken by two systems: the mean of the
+    paired differences (ours - theirs), a paired test's p-value and a verdict, "better" / "worse" when
+    p < ``alpha`` in the good / bad direction, else "within noise".
+
+    Continuous scores: the paired t-test (``ttest_rel``). Δ is a mean difference, so a test of the
+    mean is the matching one; the Wilcoxon signed-rank test cannot reach p < 0.05 with fewer than 6
+    pairs (its smallest two-sided p is 2 / 2^n) and evaluations are often that small.
+    Pass/fail (``binary``, e.g. end-of-speech failures): the exact McNemar test, a two-sided binomial
+    test on the discordant pairs (only one system failed), since pairs that agree carry no evidence."""
+    from scipy import stats
+
+    pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None]
+    pairs = [(float(a), float(b)) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    if not pairs:
+        return {"difference": None, "p_value": None, "test": None, "pairs": 0, "verdict": "n/a"}
+    diffs = [a - b for a, b in pairs]
+    diff = sum(diffs) / len(diffs)
+    if binary:
+        test = "exact McNemar"
+        worse_for_ours, better_for_ours = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        discordant = worse_for_ours + better_for_ours
+        p = float(stats.binomtest(worse_for_ours, discordant, 0.5).pvalue) if discordant else 1.0
+    else:
+        test = "paired t"
+        if len(pairs) < 2:
+            p = 1.0  # one pair: no spread, no evidence
+        elif math.isclose(max(diffs), min(diffs), rel_tol=1e-9, abs_tol=1e-12):
+            p = 1.0 if diff == 0 else 0.0  # the same difference in every pair (to rounding): no spread
+        else:
+            p = float(stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
+    if p >= alpha or diff == 0:
         verdict = "within noise"
     else:
         verdict = "better" if (diff > 0) == higher_is_better else "worse"
-    return {"difference": diff, "noise": noise, "verdict": verdict}
+    return {"difference": diff, "p_value": p, "test": test, "pairs": len(pairs), "verdict": verdict}
 
 
 # metric key -> (per-generation value, higher is better, label)
@@ -49,6 +75,8 @@ COMPARED = {
     "speaker_similarity": ("similarity", True, "speaker similarity"),
     "pace_error": ("pace_error", False, "pace error |log rate ratio|"),
     "eos_failure_rate": ("eos_failure", False, "end-of-speech failures"),
+    "cer": ("cer", False, "character error rate"),  # with --asr only
+    "wer": ("wer", False, "word error rate"),
 }
 
 
@@ -71,6 +99,8 @@ def summarize(generations: list[dict[str, Any]]) -> dict[str, Any]:
         "generations": len(generations),
         "speaker_similarity": {"mean": sim_m, "sd": sim_sd},
         "speaking_rate_ratio": {"mean": rate_m, "sd": rate_sd},
+        "cer": dict(zip(("mean", "sd"), mean_sd([g.get("cer") for g in generations]), strict=True)),
+        "wer": dict(zip(("mean", "sd"), mean_sd([g.get("wer") for g in generations]), strict=True)),
         "eos_failures": failures,
         "eos_failure_rate": failures / len(generations) if generations else None,
         "mean_seconds": dur_m,
@@ -78,17 +108,23 @@ def summarize(generations: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def comparisons(systems: dict[str, list[dict[str, Any]]], ours: str = "fine_tuned") -> dict[str, dict]:
-    """Our system against every other one, metric by metric."""
+def comparisons(
+    systems: dict[str, list[dict[str, Any]]], ours: str = "fine_tuned", *, alpha: float = DEFAULT_ALPHA
+) -> dict[str, dict]:
+    """Our system against every other one, metric by metric, on the generations both made from the
+    same (text, seed)."""
     out: dict[str, dict] = {}
+    mine = {(g["text_index"], g["seed"]): g for g in systems[ours]}
     for other, gens in systems.items():
         if other == ours:
             continue
+        pairs = [(mine[k], g) for g in gens if (k := (g["text_index"], g["seed"])) in mine]
         out[other] = {}
         for key, (field, higher, _) in COMPARED.items():
-            a = [_value(g, field) for g in systems[ours]]
-            b = [_value(g, field) for g in gens]
-            out[other][key] = compare(a, b, higher_is_better=higher)
+            a = [_value(m, field) for m, _ in pairs]
+            b = [_value(t, field) for _, t in pairs]
+            binary = field == "eos_failure"
+            out[other][key] = compare(a, b, higher_is_better=higher, binary=binary, alpha=alpha)
     return out
 
 
@@ -97,7 +133,7 @@ def _value(generation: dict[str, Any], field: str) -> float | None:
         return pace_error(generation["speaking_rate_ratio"])
     if field == "eos_failure":
         return 1.0 if generation["eos_failure"] else 0.0
-    return generation[field]
+    return generation.get(field)
 
 
 def _fmt(mean: float | None, sd: float | None = None, digits: int = 3) -> str:
@@ -110,6 +146,10 @@ def _signed(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:+.{digits}f}"
 
 
+def _verdict(c: dict[str, Any]) -> str:
+    return c["verdict"] if c.get("p_value") is None else f"{c['verdict']} (p={c['p_value']:.2g})"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """Per speaker, the fine-tuned model against each zero-shot system: value ± spread, difference
     and verdict for similarity, pace and end-of-speech failures; duration and real-time factor."""
@@ -120,6 +160,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     for other in others:
         header += [SYSTEM_LABELS[other], "Δ", "verdict"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    alpha = result.get("settings", {}).get("alpha", DEFAULT_ALPHA)
     for name, speaker in result["speakers"].items():
         summary, comp = speaker["summary"], speaker["comparison"]
 
@@ -134,7 +175,7 @@ def markdown_table(result: dict[str, Any]) -> str:
                     cells += ["", ""]
                 else:
                     c = comp[other][key]
-                    cells += [_signed(c["difference"], diff_digits), c["verdict"]]
+                    cells += [_signed(c["difference"], diff_digits), _verdict(c)]
             lines.append("| " + " | ".join(cells) + " |")
 
         row(
@@ -148,15 +189,18 @@ def markdown_table(result: dict[str, Any]) -> str:
             "pace_error",
             2,
         )
+        if summary["fine_tuned"].get("cer", {}).get("mean") is not None:  # scored with --asr
+            for key, label in (("cer", "character error rate"), ("wer", "word error rate")):
+                row(label, lambda s, k=key: _fmt(s[k]["mean"], s[k]["sd"]), key)
         row("end-of-speech failures", lambda s: f"{s['eos_failures']}/{s['generations']}", "eos_failure_rate", 2)
         row("mean duration (s)", lambda s: _fmt(s["mean_seconds"], digits=2))
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
     notes = [
         "",
-        f"Δ: fine-tuned minus zero-shot (for the speaking rate: the change in |log ratio|, the distance "
-        f"from the speaker's pace; negative is closer). Verdict: better / worse when |Δ| exceeds "
-        f"{NOISE_Z:g} standard errors of the difference (from the spread over texts and samples), else "
-        "within noise.",
+        "Δ: fine-tuned minus zero-shot, the mean over the same (text, seed) pairs (for the speaking rate: "
+        "the change in |log ratio|, the distance from the speaker's pace; negative is closer). Verdict: "
+        f"better / worse when a paired test gives p < {alpha:g} (paired t-test for similarity and pace, "
+        "exact McNemar test for end-of-speech failures), else within noise.",
     ]
     for name, speaker in result["speakers"].items():
         if not speaker.get("real_clips_held_out", True):

@@ -1,0 +1,77 @@
+"""TensorBoard figures of sampled speech: per speaker and text, the generated clip's mel spectrogram
+beside the speaker's real reference clip, with time (s) and frequency (Hz) axes, the step and the
+speaker similarity in the title."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tts_lightning.model.generation import SAMPLE_RATE
+
+N_FFT, HOP, N_MELS = 1024, 256, 80
+
+
+def mel_db(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, top_db: float = 80.0) -> tuple[np.ndarray, np.ndarray]:
+    """(log-mel in dB, ``top_db`` below the peak at most, shape (n_mels, frames); the mel bands'
+    centre frequencies in Hz)."""
+    import torchaudio
+
+    wave = torch.as_tensor(audio, dtype=torch.float32).reshape(-1)
+    if wave.numel() < N_FFT:
+        wave = torch.nn.functional.pad(wave, (0, N_FFT - wave.numel()))
+    transform = torchaudio.transforms.MelSpectrogram(
+        sample_rate=sample_rate, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS, f_max=sample_rate / 2
+    )
+    db = 10.0 * torch.log10(transform(wave).clamp(min=1e-10))
+    db = db.clamp(min=float(db.max()) - top_db)
+    # The bands' centres: n_mels + 2 points evenly spaced in mel, the ends dropped (torchaudio's HTK scale).
+    mels = np.linspace(_hz_to_mel(0.0), _hz_to_mel(sample_rate / 2), N_MELS + 2)[1:-1]
+    return db.numpy(), _mel_to_hz(mels)
+
+
+def _hz_to_mel(hz: float | np.ndarray) -> np.ndarray:
+    return 2595.0 * np.log10(1.0 + np.asarray(hz) / 700.0)  # the HTK scale torchaudio uses by default
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
+
+
+def comparison_figure(generated: np.ndarray, real: np.ndarray | None, title: str, sample_rate: int = SAMPLE_RATE):
+    """A matplotlib figure (Agg canvas, no pyplot state): generated left, real right (when given)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [("generated", generated)] + ([("real reference", real)] if real is not None else [])
+    fig = Figure(figsize=(5.0 * len(panels), 3.2), dpi=80)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (name, audio) in zip(axes, panels):
+        db, freqs = mel_db(audio, sample_rate)
+        seconds = db.shape[1] * HOP / sample_rate
+        # Mel bands are not evenly spaced in Hz: pcolormesh puts each at its own frequency.
+        times = np.arange(db.shape[1] + 1) * HOP / sample_rate
+        edges = np.concatenate([[0.0], (freqs[1:] + freqs[:-1]) / 2, [sample_rate / 2]])
+        mesh = ax.pcolormesh(times, edges, db, cmap="magma", shading="flat")
+        ax.set_xlim(0.0, seconds)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("frequency (Hz)")
+        ax.set_title(name, fontsize=9)
+        fig.colorbar(mesh, ax=ax, label="dB")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def log_comparisons(
+    writer, prefix: str, rows: list, wavs: list, texts: list[str], real: dict, scores: dict, step: int
+) -> None:
+    """One figure per (speaker, text index) row under ``{prefix}/{speaker}/{i}``."""
+    for (speaker, i), wav in zip(rows, wavs):
+        if wav.size == 0:
+            continue
+        score = scores.get(speaker)
+        similarity = "n/a" if score is None else f"{score:.3f}"
+        title = f"{speaker}, step {step}, similarity {similarity}: {texts[i][:60]}"
+        writer.add_figure(f"{prefix}/{speaker}/{i}", comparison_figure(wav, real.get(speaker), title), step)

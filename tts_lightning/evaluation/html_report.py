@@ -1,0 +1,120 @@
+"""``evaluation.html``: one self-contained page to listen and see (no network, works from file://).
+
+Per speaker the real reference clip and, per text, an audio player per system and sample beside its
+scores; per speaker an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
+and end-of-speech failures per system with their spread; the run's settings. Audio is embedded as
+16-bit WAV data URIs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+
+from tts_lightning.evaluation.report import SYSTEM_LABELS
+
+
+def _wav_uri(audio: np.ndarray, sample_rate: int) -> str:
+    buf = io.BytesIO()
+    sf.write(buf, np.clip(audio, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _file_uri(path: str | Path, sample_rate: int) -> str:
+    from tts_lightning.data.audio import load_audio
+
+    return _wav_uri(load_audio(path, sample_rate).numpy().reshape(-1), sample_rate)
+
+
+def _chart_svg(speaker: dict[str, Any]) -> str:
+    """Bars per system with the spread (sd; binomial standard error for the failure rate)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    summary = speaker["summary"]
+    systems = list(summary)
+    panels = [
+        ("speaker similarity", lambda s: (s["speaker_similarity"]["mean"], s["speaker_similarity"]["sd"])),
+        (
+            "speaking rate ratio (1 = pace)",
+            lambda s: (s["speaking_rate_ratio"]["mean"], s["speaking_rate_ratio"]["sd"]),
+        ),
+    ]
+    if summary[systems[0]].get("cer", {}).get("mean") is not None:
+        panels.append(("character error rate", lambda s: (s["cer"]["mean"], s["cer"]["sd"])))
+
+    def failures(s):
+        p, n = s["eos_failure_rate"], s["generations"]
+        return p, math.sqrt(p * (1 - p) / n) if n else None
+
+    panels.append(("end-of-speech failure rate", failures))
+    fig = Figure(figsize=(3.2 * len(panels), 2.8))
+    FigureCanvasAgg(fig)
+    for ax, (title, get) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        values = [get(summary[s]) for s in systems]
+        means = [v[0] if v[0] is not None else 0.0 for v in values]
+        errs = [v[1] if v[1] is not None else 0.0 for v in values]
+        ax.bar(
+            range(len(systems)), means, yerr=errs, capsize=4, color=["#4c72b0", "#dd8452", "#55a868"][: len(systems)]
+        )
+        ax.set_xticks(range(len(systems)), [SYSTEM_LABELS.get(s, s) for s in systems], rotation=20, fontsize=7)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    svg = buf.getvalue()
+    return svg[svg.index("<svg") :]  # drop the XML prolog: inline in HTML
+
+
+def _scores(g: dict[str, Any]) -> str:
+    parts = []
+    if g.get("similarity") is not None:
+        parts.append(f"similarity {g['similarity']:.3f}")
+    if g.get("speaking_rate_ratio") is not None:
+        parts.append(f"rate {g['speaking_rate_ratio']:.2f}")
+    if g.get("cer") is not None:
+        parts.append(f"CER {g['cer']:.2f}, WER {g['wer']:.2f}")
+    parts.append("did not end" if g["eos_failure"] else "ended")
+    return html.escape("; ".join(parts))
+
+
+def _speaker_section(name: str, speaker: dict[str, Any], sample_rate: int) -> list[str]:
+    out = [f"<h2>{html.escape(name)}</h2>", '<div class="chart">', _chart_svg(speaker), "</div>"]
+    out.append(
+        f'<p>Real reference clip: <audio controls preload="metadata" class="reference" '
+        f'src="{_file_uri(speaker["reference"], sample_rate)}"></audio></p>'
+    )
+    for t, text in enumerate(speaker["texts"]):
+        out += [
+            f"<h3>“{html.escape(text)}”</h3>",
+            "<table><tr><th>system</th><th>sample</th><th>audio</th><th>scores</th></tr>",
+        ]
+        for system, gens in speaker["generations"].items():
+            for g in (g for g in gens if g["text_index"] == t):
+                src = _file_uri(g["audio"], sample_rate)
+                out.append(
+                    f"<tr><td>{html.escape(SYSTEM_LABELS.get(system, system))}</td><td>{g['sample']} (seed {g['seed']})"
+                    f'</td><td><audio controls preload="metadata" class="generation" src="{src}"></audio></td>'
+                    f"<td>{_scores(g)}</td></tr>"
+                )
+        out.append("</table>")
+    return out
+
+
+def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
+    settings = {"model": result["model"], "base": result["base"], "prepared": result["prepared"], **result["settings"]}
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in settings.items())
+    body = ["<h1>Evaluation</h1>", f"<table class=settings>{rows}</table>"]
+    for name, speaker in result["speakers"].items():
+        body += _speaker_section(name, speaker, sample_rate)
+    style = "body{font-family:sans-serif;margin:1em 2em}td,th{padding:2px 8px;text-align:left}svg{max-width:100%}"
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>Evaluation</title>'
+        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
