@@ -23,6 +23,12 @@ $(BIN)/tts-lightning: pyproject.toml
 
 install: $(BIN)/tts-lightning
 
+# The evaluation page's test drives Debian's chromium through Playwright (Playwright's own browser
+# download cannot reach its servers): installed once, where it is missing.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+
 # The demo: build the tiny model, fine-tune it on the two demo speakers with FSDP on 2 CPU
 # processes (with samples, spectrograms beside the real clips and the codebook chart in TensorBoard:
 # configs/demo/listen.yaml), export the last checkpoint as a custom_voice model and speak with it.
@@ -36,12 +42,12 @@ demo: install
 	$(CPU_ENV) $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
-test: install
+test: install $(CHROMIUM)
 	$(CPU_ENV) $(BIN)/python -m pytest -q --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.
-test-fast: install
+test-fast: install $(CHROMIUM)
 	$(CPU_ENV) $(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 # Lint, format and types (the same checks as .pre-commit-config.yaml); CI runs it before the tests.
