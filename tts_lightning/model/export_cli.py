@@ -55,22 +55,18 @@ def export_command(argv: list[str]) -> int:
     elif args.model_type == "base" or (
         args.model_type == "auto" and trained_layout(args.ckpt, trust_checkpoint=args.trust_checkpoint) == "icl"
     ):
-        out = export_base(
-            args.ckpt,
-            args.out,
-            dtype=args.dtype,
-            pretrained=args.pretrained,
-            overwrite=args.overwrite,
-            trust_checkpoint=args.trust_checkpoint,
-        )
+        out = export_base(args.ckpt, args.out, **_model_options(args))
     else:
-        out = export_custom_voice(
-            args.ckpt,
-            args.out,
-            dtype=args.dtype,
-            pretrained=args.pretrained,
-            overwrite=args.overwrite,
-            trust_checkpoint=args.trust_checkpoint,
-        )
+        out = export_custom_voice(args.ckpt, args.out, **_model_options(args))
     print(out)
     return 0
+
+
+def _model_options(args) -> dict:
+    """The options `export_base` and `export_custom_voice` share."""
+    return {
+        "dtype": args.dtype,
+        "pretrained": args.pretrained,
+        "overwrite": args.overwrite,
+        "trust_checkpoint": args.trust_checkpoint,
+    }
