@@ -31,6 +31,7 @@ from tts_lightning.data.manifest import ManifestResult, load_manifest
 from tts_lightning.data.prepare_settings import PrepareSettings
 from tts_lightning.data.prepared_index import PreparedIndex, build_index, read_index_json
 from tts_lightning.data.progress import EncodeProgress
+from tts_lightning.data.replay import ReplayRecord, check_replay, prepare_replay, replay_folder, replay_texts
 from tts_lightning.data.report_log import ReportLog
 from tts_lightning.data.segments import Segment, cut_subtitled
 from tts_lightning.data.selection import (
@@ -156,7 +157,9 @@ class DataPreparer:
             self._encode_with_ray(plan.clips, ray_workers, ray_address)
         else:
             self.encode(plan.clips)
-        return Prepared(plan.report, self.write_index(plan))
+        index = self.write_index(plan)
+        self.prepare_replay()
+        return Prepared(plan.report, index)
 
     def prepare_on_all_ranks(
         self,
@@ -225,6 +228,7 @@ class DataPreparer:
         the clips, speakers, split and languages; write the report when ``write_report`` and show
         it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
+        check_replay(self.info, s.replay_fraction)  # before anything is read: a wrong start is the user's to fix
         ids = SpecialIds.from_config(self.info.config)
         if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
             try:
@@ -328,6 +332,29 @@ class DataPreparer:
             f"{len(plan.speakers)} speaker(s) in {self.prepared_path}"
         )
         return index
+
+    def replay_texts(self) -> list[str]:
+        return replay_texts(self.settings.replay_texts, self.settings.replay_texts_file)
+
+    def replay_folder(self) -> Path:
+        """The folder of the replay records these settings train with (`tts_lightning.data.replay`)."""
+        s = self.settings
+        return replay_folder(self.cache_dir, self.info, self.replay_texts(), s.replay_max_new_tokens, s.seed)
+
+    def prepare_replay(self, device: str | None = None) -> list[ReplayRecord]:
+        """The starting model's replay records (spoken once, then read from the cache); none when replay is off."""
+        s = self.settings
+        if s.replay_fraction <= 0:
+            return []
+        check_replay(self.info, s.replay_fraction)
+        return prepare_replay(
+            self.cache_dir,
+            self.info,
+            self.replay_texts(),
+            max_new_tokens=s.replay_max_new_tokens,
+            seed=s.seed,
+            device=device or s.prepare_device or "cpu",
+        )
 
     def read_index_json(self) -> dict[str, Any]:
         """prepared.json as JSON, checked against these settings (its version and settings)."""
