@@ -158,7 +158,6 @@ def test_replay_keeps_the_built_in_speakers(replay_data, tiny_custom_voice_dir, 
 def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tiny_custom_voice_dir, tiny_dir, tmp_path):
     from tts_lightning.evaluation.evaluate import evaluate
     from tts_lightning.model.checkpoint import load_training_checkpoint
-    from tts_lightning.model.export import export_custom_voice
 
     cache, make = replay_data
     straight = tmp_path / "straight"
@@ -169,10 +168,9 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
     for key, value in final.items():  # resumed mid-epoch with replay records in the batches: the same weights
         torch.testing.assert_close(again[key], value, atol=0, rtol=0, msg=key)
 
-    # Exported first: evaluate's --base (the zero-shot side) must be a base model, not this run's start.
-    exported = export_custom_voice(straight / "step=3.ckpt", tmp_path / "voice", dtype="fp32")
-    out = tmp_path / "evaluation"
-    result = evaluate(exported, cache, out, base=tiny_dir, speakers=["alice"], texts=["Hi."], num_samples=1, icl=False)
+    # The checkpoint exports from its own start (the CustomVoice model); --base is a base model for the zero-shot side.
+    out, ckpt = tmp_path / "evaluation", straight / "step=3.ckpt"
+    result = evaluate(ckpt, cache, out, base=tiny_dir, speakers=["alice"], texts=["Hi."], num_samples=1, icl=False)
     forgetting = json.loads((out / "evaluation.json").read_text())["forgetting"]
     assert forgetting == json.loads(json.dumps(result["forgetting"]))
     assert sorted(forgetting["speakers"]) == sorted(check_pretrained(tiny_custom_voice_dir).speakers)
