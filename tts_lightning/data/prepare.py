@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from tts_lightning.data import prepare_ranks
@@ -353,7 +354,8 @@ class DataPreparer:
             self.replay_texts(),
             max_new_tokens=s.replay_max_new_tokens,
             seed=s.seed,
-            device=device or s.prepare_device or "cpu",
+            # As the codec cache: cuda when available. The CPU runs the same calls (tests/data/test_replay.py).
+            device=device or s.prepare_device or ("cuda" if torch.cuda.is_available() else "cpu"),
         )
 
     def read_index_json(self) -> dict[str, Any]:

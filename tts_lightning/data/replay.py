@@ -194,6 +194,8 @@ def _speak(
             relative = (folder / name).relative_to(cache_dir).as_posix()
             records.append(ReplayRecord(speaker, text, language, int(array.shape[0]), relative))
     del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # training starts next on this device
     return records
 
 
