@@ -54,6 +54,7 @@ CASES = [
     ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
     ("fit", [*FIT, "--data.replay_fraction", "0.2"], "data.replay_fraction: replay needs a custom_voice model with built-in speakers as data.pretrained ({tiny} is 'base'); set data.replay_fraction: 0"),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--data.replay_fraction", "1"], "data.replay_fraction must be in [0, 1) (0: off), got 1.0"),
+    ("fit", [*FIT, "--data.pretrained", "{cv}", "--data.replay_fraction", "0.2", "--data.replay_texts_file", "{work}/nope.txt"], "data.replay_texts_file: {work}/nope.txt not found; give a UTF-8 file with one text a line"),
     ("fit", [*FIT, "--data.manifest_encoding", "nope"], "unknown manifest_encoding 'nope'"),
     ("fit", [*FIT, "--model.adapter.rank", "0"], "model.adapter.rank must be >= 1, got 0"),
     ("fit", [*FIT, "--model.adapter.target_modules", "[]"], "model.adapter.target_modules is empty: name the nn.Linear layers to adapt"),

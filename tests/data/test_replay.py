@@ -188,3 +188,19 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
         for name, s in forgetting["speakers"].items():
             assert s[when]["loss"] == pytest.approx(_replay_loss(model, data, rows[name]), abs=1e-4), (name, when)
     assert "Forgetting" in (out / "evaluation.md").read_text()
+
+
+def test_replay_texts_come_from_the_setting_the_file_or_the_shipped_list(tmp_path):
+    from tts_lightning.data.replay import DEFAULT_TEXTS_FILE, replay_texts
+
+    shipped = replay_texts(None, None)
+    assert shipped == DEFAULT_TEXTS_FILE.read_text(encoding="utf-8").split("\n")[: len(shipped)] and len(shipped) >= 3
+    lines = tmp_path / "texts.txt"
+    lines.write_text("One.\n\n  Two.  \n", encoding="utf-8")
+    assert replay_texts(["Zero."], str(lines)) == ["Zero.", "One.", "Two."]
+    assert replay_texts(["Zero."], None) == ["Zero."]  # given texts replace the shipped list
+    with pytest.raises(ConfigError, match=r"data.replay_texts_file: .*nope.txt not found"):
+        replay_texts(None, str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_text("\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="give no text to replay"):
+        replay_texts(None, str(tmp_path / "empty.txt"))

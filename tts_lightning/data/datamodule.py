@@ -36,7 +36,7 @@ from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, Talker
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.prepare_ranks import prepare_with_strategy, rank_device  # noqa: F401 (rank_device: its old home)
 from tts_lightning.data.references import references
-from tts_lightning.data.replay import check_replay, mixed_records, replay_items
+from tts_lightning.data.replay import mixed_records, replay_items
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
 from tts_lightning.errors import ConfigError
@@ -162,7 +162,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         self.predict_texts_file = predict_texts_file
         self.predict_speakers = None if predict_speakers is None else list(predict_speakers)
         self.preparer = DataPreparer(self.settings)
-        check_replay(self.preparer.info, self.settings.replay_fraction)  # before any process starts
+        self.preparer.check_replay()  # before any process starts
         # Set by setup() from files only.
         self._index: PreparedIndex | None = None
         self._speaker_table: Tensor | None = None

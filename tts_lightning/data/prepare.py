@@ -337,6 +337,12 @@ class DataPreparer:
     def replay_texts(self) -> list[str]:
         return replay_texts(self.settings.replay_texts, self.settings.replay_texts_file)
 
+    def check_replay(self) -> None:
+        """Raise ConfigError for replay settings that cannot work (the model, the texts); quick."""
+        if self.settings.replay_fraction > 0:
+            check_replay(self.info, self.settings.replay_fraction)
+            self.replay_texts()
+
     def replay_folder(self) -> Path:
         """The folder of the replay records these settings train with (`tts_lightning.data.replay`)."""
         s = self.settings
