@@ -22,8 +22,6 @@ flag left on, ``setup`` and the dataloader hooks raise an error that says so.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +34,9 @@ from torch.utils.data import DataLoader
 from tts_lightning.data.batching import BatchSamplerView, LengthBucketBatchSampler, ResumableDataLoader
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
+from tts_lightning.data.prepare_ranks import prepare_with_strategy, rank_device  # noqa: F401 (rank_device: its old home)
 from tts_lightning.data.references import references
+from tts_lightning.data.replay import mixed_records, replay_items
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
 from tts_lightning.errors import ConfigError
@@ -48,15 +48,6 @@ from tts_lightning.model.sequence import SpecialIds, tokenize_texts
 
 class DistributedSamplerError(RuntimeError):
     """A run of several processes whose Trainer would inject a DistributedSampler."""
-
-
-def rank_device(prepare_device: str | None, root_device: torch.device) -> str | None:
-    """``prepare_device`` for one rank of a run whose rank works on ``root_device``: a CUDA device
-    becomes the rank's own GPU (``cuda:0`` on every rank would put every rank's speech tokenizer,
-    speaker encoder and CUDA context on GPU 0); anything else is kept."""
-    if prepare_device is not None and root_device.type == "cuda" and torch.device(prepare_device).type == "cuda":
-        return str(root_device)
-    return prepare_device
 
 
 class SpeakerClipsDataModule(LightningDataModule):
@@ -78,6 +69,11 @@ class SpeakerClipsDataModule(LightningDataModule):
             clip of the speaker, codes and transcript, in the prompt); see `tts_lightning.model.layouts`.
         streaming: train the streaming layout (text fed alongside the frames, `generate_voice_clone`'s
             default) instead of the non-streaming one.
+        replay_fraction: from a custom_voice model, this share of the training records (0: off) is the
+            starting model's own speech of ``replay_texts`` by each built-in speaker, against
+            forgetting; validation logs ``val/replay_loss`` on them (`tts_lightning.data.replay`).
+        replay_texts, replay_texts_file: the texts replayed (default the shipped list).
+        replay_max_new_tokens: cap on the frames of each replay record.
         max_frames_per_batch: cap on padded talker positions per batch (batch size x the
             longest prefill + frames), which bounds activation memory.
         batch_size: cap on clips per batch (alone or with ``max_frames_per_batch``).
@@ -142,6 +138,10 @@ class SpeakerClipsDataModule(LightningDataModule):
         predict_speakers: list[str] | None = None,
         layout: Literal["xvector", "icl"] = "xvector",
         streaming: bool = False,
+        replay_fraction: float = 0.0,
+        replay_texts: list[str] | None = None,
+        replay_texts_file: str | None = None,
+        replay_max_new_tokens: int = 256,
     ) -> None:
         super().__init__()
         self.layout = SequenceLayout(layout, streaming)  # refuses a layout not proven
@@ -162,11 +162,13 @@ class SpeakerClipsDataModule(LightningDataModule):
         self.predict_texts_file = predict_texts_file
         self.predict_speakers = None if predict_speakers is None else list(predict_speakers)
         self.preparer = DataPreparer(self.settings)
+        self.preparer.check_replay()  # before any process starts
         # Set by setup() from files only.
         self._index: PreparedIndex | None = None
         self._speaker_table: Tensor | None = None
         self.train_dataset: SpeakerClipsDataset | None = None
         self.val_dataset: SpeakerClipsDataset | None = None
+        self.replay_dataset: SpeakerClipsDataset | None = None  # replay on: its records, validated once each
         self._collate: TalkerCollate | None = None
         # Resume: the train sampler and a state loaded before it exists.
         self._train_sampler: LengthBucketBatchSampler | None = None
@@ -279,26 +281,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         if distributed is not None:
             self._check_sampler_flag(distributed[0])
             assert self.trainer is not None
-            strategy = self.trainer.strategy
-
-            def gather(n: int) -> list[int]:
-                # An all-gather as the sum of one row per rank (Lightning's all_gather warns of a
-                # deprecated torch function); on the root device: NCCL takes no CPU tensor.
-                rows = torch.zeros(distributed[0], dtype=torch.int64, device=strategy.root_device)
-                rows[distributed[1]] = n
-                return strategy.reduce(rows, reduce_op="sum").tolist()
-
-            device = rank_device(self.settings.prepare_device, strategy.root_device)
-            preparer = self.preparer
-            if device != self.settings.prepare_device:  # the speaker embeddings too: this rank's settings
-                preparer = copy.copy(self.preparer)
-                preparer.settings = replace(self.settings, prepare_device=device)
-            preparer.prepare_on_all_ranks(
-                *distributed,
-                agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),
-                gather=gather,
-                device=device or str(strategy.root_device),
-            )
+            prepare_with_strategy(self.preparer, self.trainer.strategy, *distributed)
         index = self.read_prepared()
         cache_dir = self.cache_dir
         info = self.pretrained_info
@@ -334,10 +317,18 @@ class SpeakerClipsDataModule(LightningDataModule):
                     instruct_ids=instruct,
                 )
             )
+        rows = table.embeddings
+        if self.settings.replay_fraction > 0:  # after the clips: the default's datasets are unchanged
+            assert codec_ids is not None  # prepare refused replay from a base model
+            added, replay = replay_items(self.preparer, tokenizer, names)
+            codec_ids += added
+            rows = torch.cat([rows, torch.zeros(len(added), rows.shape[1])])  # unused: the slot is the codec row
+            splits["train"] += mixed_records(replay, len(splits["train"]), self.settings.replay_fraction)
+            self.replay_dataset = SpeakerClipsDataset(replay, ids, speaker_codec_ids=codec_ids)
         self.train_dataset = SpeakerClipsDataset(splits["train"], ids, layout=self.layout, speaker_codec_ids=codec_ids)
         self.val_dataset = SpeakerClipsDataset(splits["val"], ids, layout=self.layout, speaker_codec_ids=codec_ids)
         self._speaker_table = table.embeddings
-        self._collate = TalkerCollate(table.embeddings, ids.tts_pad)
+        self._collate = TalkerCollate(rows, ids.tts_pad)
         self._index = index
 
     def _require_setup(self) -> None:
@@ -409,8 +400,11 @@ class SpeakerClipsDataModule(LightningDataModule):
         assert self.val_dataset is not None
         if len(self.val_dataset) == 0:
             return []  # no validation set: Lightning skips validation
-        sampler = self._sampler(self.val_dataset, shuffle=False)
-        return self._loader(self.val_dataset, sampler)
+        loader = self._loader(self.val_dataset, self._sampler(self.val_dataset, shuffle=False))
+        if self.replay_dataset is None or len(self.replay_dataset) == 0:
+            return loader
+        # The second loader: `Qwen3TTSModule.validation_step` logs its loss as val/replay_loss.
+        return [loader, self._loader(self.replay_dataset, self._sampler(self.replay_dataset, shuffle=False))]
 
     def predict_dataloader(self) -> DataLoader:
         """``predict_texts`` and the lines of ``predict_texts_file``, each spoken by every speaker of

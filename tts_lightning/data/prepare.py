@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from tts_lightning.data import prepare_ranks
@@ -31,6 +32,7 @@ from tts_lightning.data.manifest import ManifestResult, load_manifest
 from tts_lightning.data.prepare_settings import PrepareSettings
 from tts_lightning.data.prepared_index import PreparedIndex, build_index, read_index_json
 from tts_lightning.data.progress import EncodeProgress
+from tts_lightning.data.replay import ReplayRecord, check_replay, prepare_replay, replay_folder, replay_texts
 from tts_lightning.data.report_log import ReportLog
 from tts_lightning.data.segments import Segment, cut_subtitled
 from tts_lightning.data.selection import (
@@ -156,7 +158,9 @@ class DataPreparer:
             self._encode_with_ray(plan.clips, ray_workers, ray_address)
         else:
             self.encode(plan.clips)
-        return Prepared(plan.report, self.write_index(plan))
+        index = self.write_index(plan)
+        self.prepare_replay()
+        return Prepared(plan.report, index)
 
     def prepare_on_all_ranks(
         self,
@@ -225,6 +229,7 @@ class DataPreparer:
         the clips, speakers, split and languages; write the report when ``write_report`` and show
         it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
+        check_replay(self.info, s.replay_fraction)  # before anything is read: a wrong start is the user's to fix
         ids = SpecialIds.from_config(self.info.config)
         if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
             try:
@@ -328,6 +333,36 @@ class DataPreparer:
             f"{len(plan.speakers)} speaker(s) in {self.prepared_path}"
         )
         return index
+
+    def replay_texts(self) -> list[str]:
+        return replay_texts(self.settings.replay_texts, self.settings.replay_texts_file)
+
+    def check_replay(self) -> None:
+        """Raise ConfigError for replay settings that cannot work (the model, the texts); quick."""
+        if self.settings.replay_fraction > 0:
+            check_replay(self.info, self.settings.replay_fraction)
+            self.replay_texts()
+
+    def replay_folder(self) -> Path:
+        """The folder of the replay records these settings train with (`tts_lightning.data.replay`)."""
+        s = self.settings
+        return replay_folder(self.cache_dir, self.info, self.replay_texts(), s.replay_max_new_tokens, s.seed)
+
+    def prepare_replay(self, device: str | None = None) -> list[ReplayRecord]:
+        """The starting model's replay records (spoken once, then read from the cache); none when replay is off."""
+        s = self.settings
+        if s.replay_fraction <= 0:
+            return []
+        check_replay(self.info, s.replay_fraction)
+        return prepare_replay(
+            self.cache_dir,
+            self.info,
+            self.replay_texts(),
+            max_new_tokens=s.replay_max_new_tokens,
+            seed=s.seed,
+            # As the codec cache: cuda when available. The CPU runs the same calls (tests/data/test_replay.py).
+            device=device or s.prepare_device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        )
 
     def read_index_json(self) -> dict[str, Any]:
         """prepared.json as JSON, checked against these settings (its version and settings)."""

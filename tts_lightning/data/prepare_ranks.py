@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import torch
+
 from tts_lightning.data.codec_cache import CodecCache
 from tts_lightning.data.prepare_settings import PrepareSettings
 from tts_lightning.data.prepared_index import PreparedIndex
@@ -58,6 +60,8 @@ class Preparer(Protocol):
     def embed(self, plan: Plan, speakers: list[str]) -> None: ...
 
     def write_index(self, plan: Plan) -> PreparedIndex: ...
+
+    def prepare_replay(self, device: str | None = None) -> list: ...
 
 
 @dataclass
@@ -164,13 +168,14 @@ def _encode_share(
 
 
 def _finish(preparer: Preparer, plan: Plan, device: str) -> None:
-    """The finishing rank's last step: the index. Each rank checked or wrote its share in this
+    """The finishing rank's last step: the index (and the replay records). Each rank checked or wrote its share in this
     folder. Should two ranks have seen the folder differently (a file system caching lookups),
     what no one encoded is encoded here (a stat per clip when nothing is missing)."""
     cache = preparer.codec_cache(device)
     cache.encode_missing(plan.clips, batch_size=preparer.settings.encode_batch_size)
     cache.release()
     preparer.write_index(plan)
+    preparer.prepare_replay(device)  # the starting model's replay records, spoken once (when replay is on)
 
 
 def prepare_on_all_ranks(
@@ -201,3 +206,37 @@ def prepare_on_all_ranks(
     )
     together("encoding", lambda: _encode_share(preparer, share, plan, probe.parent, rank, world, device))
     together("writing the index", lambda: _finish(preparer, plan, device) if plan is not None else None)
+
+
+def rank_device(prepare_device: str | None, root_device: torch.device) -> str | None:
+    """``prepare_device`` for one rank of a run whose rank works on ``root_device``: a CUDA device
+    becomes the rank's own GPU (``cuda:0`` on every rank would put every rank's speech tokenizer,
+    speaker encoder and CUDA context on GPU 0); anything else is kept."""
+    if prepare_device is not None and root_device.type == "cuda" and torch.device(prepare_device).type == "cuda":
+        return str(root_device)
+    return prepare_device
+
+
+def prepare_with_strategy(preparer, strategy, world: int, rank: int) -> None:
+    """`prepare_on_all_ranks` with a Lightning strategy's collectives, on this rank's device."""
+    import copy
+    from dataclasses import replace
+
+    def gather(n: int) -> list[int]:
+        # An all-gather as the sum of one row per rank (Lightning's all_gather warns of a
+        # deprecated torch function); on the root device: NCCL takes no CPU tensor.
+        rows = torch.zeros(world, dtype=torch.int64, device=strategy.root_device)
+        rows[rank] = n
+        return strategy.reduce(rows, reduce_op="sum").tolist()
+
+    device = rank_device(preparer.settings.prepare_device, strategy.root_device)
+    if device != preparer.settings.prepare_device:  # the speaker embeddings too: this rank's settings
+        preparer = copy.copy(preparer)
+        preparer.settings = replace(preparer.settings, prepare_device=device)
+    preparer.prepare_on_all_ranks(
+        world,
+        rank,
+        agree=lambda ok: strategy.reduce_boolean_decision(ok, all=True),
+        gather=gather,
+        device=device or str(strategy.root_device),
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tts_lightning.data.validation import ValidationConfig
+from tts_lightning.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class PrepareSettings:
     num_reference_clips: int = 3
     encode_batch_size: int = 8
     prepare_device: str | None = None
+    # Replay (`tts_lightning.data.replay`): off at 0; not in prepared.json (the records have a folder of their own).
+    replay_fraction: float = 0.0
+    replay_texts: tuple[str, ...] | None = None
+    replay_texts_file: str | None = None
+    replay_max_new_tokens: int = 256
 
     def __post_init__(self) -> None:
         """Refuse a bad value now rather than in the middle of prepare."""
@@ -57,6 +63,12 @@ class PrepareSettings:
             if not speakers or dupes:
                 raise ValueError(f"speakers must be a non-empty list of distinct names, got {speakers}")
             object.__setattr__(self, "speakers", tuple(speakers))  # a list from YAML or Python
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise ConfigError(f"data.replay_fraction must be in [0, 1) (0: off), got {self.replay_fraction}")
+        if self.replay_max_new_tokens < 1:
+            raise ConfigError(f"data.replay_max_new_tokens must be >= 1, got {self.replay_max_new_tokens}")
+        if self.replay_texts is not None:
+            object.__setattr__(self, "replay_texts", tuple(self.replay_texts))  # a list from YAML or Python
         self.validation_config()  # raises on a bad validation setting
 
     @classmethod

@@ -195,6 +195,9 @@ def evaluate(
         chosen = choose_speakers(index, index_file, model_dir, speakers)
         plans = plan_speakers(index, chosen, texts=texts, max_texts=max_texts)
         real_audio, paces = load_real_clips(plans)
+        from tts_lightning.evaluation.forgetting import measure_forgetting
+
+        forgetting = measure_forgetting(index_file.parent, model_dir, device=device)  # None without replay
         generated = _generate_all(
             model_dir,
             base_dir,
@@ -228,6 +231,8 @@ def evaluate(
         },
         "speakers": {},
     }
+    if forgetting is not None:
+        result["forgetting"] = forgetting
     recognizer = None
     if asr is not None:  # after generation: one model in memory at a time
         from tts_lightning.evaluation.asr import make_recognizer
@@ -358,6 +363,10 @@ def _write_outputs(out: Path, result: dict[str, Any]) -> None:
 
     atomic_write_json(out / "evaluation.json", result)
     table = markdown_table(result)
+    if "forgetting" in result:
+        from tts_lightning.evaluation.forgetting import forgetting_table
+
+        table += forgetting_table(result["forgetting"])
     atomic_write(out / "evaluation.md", lambda fh: fh.write(table), binary=False)
     page = evaluation_html(result, SAMPLE_RATE)
     atomic_write(out / "evaluation.html", lambda fh: fh.write(page), binary=False)

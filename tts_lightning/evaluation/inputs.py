@@ -130,7 +130,10 @@ def resolve_model(
     from tts_lightning.model.export import ExportError, export_custom_voice
 
     try:
-        named_base = CheckpointReader(path, trust=trust_checkpoint).hyper_parameters.get("pretrained")
+        hparams = CheckpointReader(path, trust=trust_checkpoint).hyper_parameters
+        named_base = hparams.get("pretrained")
+        if hparams.get("speaker_codec_ids") is not None:  # started from a custom_voice model: it exports
+            named_base, base = None, None  # from its own start; --base is the zero-shot side only
         out = export_custom_voice(
             path, workdir / "fine_tuned", dtype=dtype, pretrained=base, trust_checkpoint=trust_checkpoint
         )

@@ -287,15 +287,15 @@ class Qwen3TTSModule(L.LightningModule):
         self._remember_speakers(batch)
         out = self(batch)
         train, n = stage == "train", len(batch)
+        # add_dataloader_idx: val/* keep their names beside the replay loader (`validation_step`).
+        once: dict[str, Any] = {"batch_size": n, "on_epoch": True, "add_dataloader_idx": False}
         losses = {"loss": out.loss, "talker_loss": out.talker_loss, "code_predictor_loss": out.code_predictor_loss}
         for name, value in losses.items():
             # sync_dist: the logged step loss is the mean over ranks, an all-reduce queued on the device
             # (no host wait). The progress bar shows train/loss from `StepProgressBar` at logging steps:
             # prog_bar=True would make Lightning convert it to a float after every step.
             prog_bar = name == "loss" and not train
-            self.log(
-                f"{stage}/{name}", value, prog_bar=prog_bar, batch_size=n, sync_dist=True, on_step=train, on_epoch=True
-            )
+            self.log(f"{stage}/{name}", value, prog_bar=prog_bar, sync_dist=True, on_step=train, **once)
         if train:
             self._log_train_accuracy(out, n)
             return out.loss
@@ -305,7 +305,7 @@ class Qwen3TTSModule(L.LightningModule):
         ]
         for j, (metric, (logits, targets)) in enumerate(zip(metrics, pairs)):
             metric.update(logits.detach(), targets)  # computed (and synced) by Lightning at epoch end
-            self.log(f"{stage}/acc_codebook_{j}", metric, on_step=False, on_epoch=True, batch_size=n)
+            self.log(f"{stage}/acc_codebook_{j}", metric, on_step=False, **once)
         return out.loss
 
     def _log_train_accuracy(self, out: LossOutput, n: int) -> None:
@@ -361,7 +361,11 @@ class Qwen3TTSModule(L.LightningModule):
     def training_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
         return self._shared_step(batch, "train")
 
-    def validation_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: TalkerBatch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        if dataloader_idx == 1:  # the data module's replay records (`tts_lightning.data.replay`)
+            out = self(batch)
+            self.log("val/replay_loss", out.loss, batch_size=len(batch), sync_dist=True, add_dataloader_idx=False)
+            return out.loss
         return self._shared_step(batch, "val")
 
     def test_step(self, batch: TalkerBatch, batch_idx: int) -> torch.Tensor:
