@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast lint install clean
+.PHONY: demo test test-fast lint install clean notebooks
 
 # Every CPU job below runs with these. One thread per process: the jobs run 2 processes on 2 cores.
 # glibc hands every freed block over 32 MiB back to the kernel (munmap) and faults the pages in
@@ -49,6 +49,11 @@ test: install $(CHROMIUM)
 # durations show a test that belongs in the slow tier.
 test-fast: install $(CHROMIUM)
 	$(CPU_ENV) $(BIN)/python -m pytest -q -m "not slow" --durations=10
+
+# The notebooks are stored with the outputs of an executed run; after changing a cell (or what a
+# cell shows), re-execute and store them (tests/test_notebooks.py checks they still match).
+notebooks: install
+	$(CPU_ENV) $(BIN)/python scripts/store_notebook_outputs.py
 
 # Lint, format and types (the same checks as .pre-commit-config.yaml); CI runs it before the tests.
 LINT_PATHS := tts_lightning tests benchmarks scripts

@@ -1,4 +1,5 @@
-"""The notebooks run top to bottom in a real Jupyter kernel, and are committed without outputs.
+"""The notebooks run top to bottom in a real Jupyter kernel, and are stored with the outputs of an
+executed run (scripts/store_notebook_outputs.py) that still come from the current code.
 
 Each notebook is executed by nbclient in a fresh ``python3`` kernel that runs *this* interpreter
 (a kernelspec written to a temporary ``JUPYTER_PATH``, so a ``python3`` kernelspec installed
@@ -6,12 +7,16 @@ elsewhere, e.g. one whose ``argv`` starts with a bare ``python``, cannot hijack 
 temporary working directory: the notebooks must not depend on being run from ``notebooks/``. The
 notebooks run at the same time, each in its own kernel. Any cell error fails the test (nbclient
 raises ``CellExecutionError`` with the traceback).
+
+The stored outputs must match: the sources they were made from (digests the script records) are the
+cells' sources, and each code cell's re-executed output kinds (output type and MIME types: text,
+image/png, text/html tables, audio players) are the stored ones. When a cell changes, run
+``python scripts/store_notebook_outputs.py`` and commit the notebook.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,8 +27,12 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ("quickstart.ipynb", "memory_planning.ipynb")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import store_notebook_outputs as store  # noqa: E402
+
+NOTEBOOK_DIR = store.NOTEBOOK_DIR
+NOTEBOOKS = store.NOTEBOOKS
+MAX_STORED_BYTES = 600_000  # per notebook: the repository stays light
 
 # What each notebook must leave under runs/ in its working directory.
 EXPECTED_OUTPUTS = {
@@ -43,22 +52,7 @@ def _read(name: str):
 
 
 def _kernel_env(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A ``python3`` kernelspec for sys.executable under ``root``, found before any other, one
-    thread per op."""
-    spec_dir = root / "jupyter" / "kernels" / "python3"
-    spec_dir.mkdir(parents=True)
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (tests)",
-        "language": "python",
-        "env": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"},
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    monkeypatch.setenv("JUPYTER_PATH", str(root / "jupyter"))
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(root / "jupyter-runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(root / "ipython"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    store.kernel_env(root, monkeypatch.setenv)
     return root
 
 
@@ -82,9 +76,7 @@ def executed(tmp_path_factory):
             workdir = root / "work" / name
             workdir.mkdir(parents=True)
             notebooks[name] = (_read(name), workdir)
-            clients[name] = nbclient.NotebookClient(
-                notebooks[name][0], kernel_name="python3", timeout=600, resources={"metadata": {"path": str(workdir)}}
-            )
+            clients[name] = store.client(notebooks[name][0], workdir)
 
         async def execute(name):
             start = time.monotonic()
@@ -103,18 +95,40 @@ def executed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_committed_without_outputs(name):
+def test_stored_with_outputs_of_its_current_cells(name):
+    """Every code cell ran, in order, and the outputs are stored; the recorded sources are today's
+    (a cell edited since the outputs were stored fails here: re-store them); nothing that changes
+    from run to run (timing metadata, stderr) is stored; the file stays small."""
+    path = NOTEBOOK_DIR / name
     nb = _read(name)
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
-    dirty = [
-        i
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
-    ]
-    assert not dirty, f"{name}: code cells {dirty} have outputs or execution counts; clear them before committing"
+    recorded = nb.metadata.get(store.RECORD, {}).get("executed_sources")
+    assert recorded == [store.source_digest(c) for c in nb.cells], (
+        f"{name}: cells changed since their outputs were stored; run python scripts/store_notebook_outputs.py {name}"
+    )
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{name}: not run top to bottom"
+    outputs = [o for c in code for o in c.outputs]
+    assert len(outputs) >= len(code) // 2, f"{name}: {len(outputs)} outputs stored for {len(code)} code cells"
+    assert not [o for o in outputs if o.output_type == "error" or not store.shown(o)]
     assert not any("execution" in cell.get("metadata", {}) for cell in nb.cells), f"{name}: cell timing metadata"
-    assert any(c.cell_type == "markdown" for c in nb.cells) and any(c.cell_type == "code" for c in nb.cells)
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{name}: no stored figure"
+    assert path.stat().st_size < MAX_STORED_BYTES, f"{name}: {path.stat().st_size} bytes stored"
+
+
+def test_the_checks_notice_an_edited_cell_and_a_lost_figure():
+    nb = _read("quickstart.ipynb")
+    recorded = nb.metadata[store.RECORD]["executed_sources"]
+    i, cell = next(
+        (i, c) for i, c in enumerate(nb.cells) if any("image/png" in o.get("data", {}) for o in c.get("outputs", []))
+    )
+    cell.source += "\nplt.close('all')"
+    assert [store.source_digest(c) for c in nb.cells] != recorded
+    kinds = store.output_kinds(cell)
+    assert "display_data:image/png+text/plain" in kinds
+    cell.outputs = [o for o in cell.outputs if "image/png" not in o.get("data", {})]
+    assert store.output_kinds(cell) != kinds
 
 
 def test_kernel_runs_this_interpreter(kernel_env):
@@ -146,3 +160,12 @@ def test_notebook_executes(name, executed):
     # Every figure rendered (inline PNGs), so a plot that silently drew nothing would show here.
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{name} displayed no figure"
+    # The stored outputs come from these cells: the same sources were executed, and each cell gave
+    # the same kinds of output (text, figures, tables, audio players) as the stored ones.
+    stored = _read(name)
+    assert [c.source for c in nb.cells] == [c.source for c in stored.cells]
+    for i, (ran, kept) in enumerate(zip(nb.cells, stored.cells, strict=True)):
+        if ran.cell_type == "code":
+            assert store.output_kinds(ran) == store.output_kinds(kept), (
+                f"{name} cell {i}: outputs changed; run python scripts/store_notebook_outputs.py {name}"
+            )

@@ -188,7 +188,8 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
 def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
     """evaluation.html in Debian's chromium (Playwright drives it): no console errors, one player per
     generation plus one real clip per speaker, every source decodes to its clip's duration, one chart
-    per speaker. The screenshot is left in the test's tmp folder."""
+    per speaker, and the paired verdicts of evaluation.json shown (verdict, p, test) for every
+    system against the fine-tuned one. The screenshot is left in the test's tmp folder."""
     from playwright.sync_api import sync_playwright
 
     out, _ = evaluated
@@ -213,9 +214,30 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
                     a.load();
                 })))"""
         )
+        verdicts = page.evaluate(
+            """() => [...document.querySelectorAll('table.verdicts tr')].filter(r => r.querySelector('td.verdict'))
+                .map(r => [...r.querySelectorAll('td')].map(td => td.innerText)
+                    .concat([r.querySelector('td.verdict').checkVisibility()]))"""
+        )
         page.screenshot(path=str(tmp_path / "evaluation.png"), full_page=True)
         browser.close()
     assert not errors, errors
     expected = [g["seconds"] for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
     assert durations == pytest.approx(expected, abs=0.01)
     assert (tmp_path / "evaluation.png").stat().st_size > 10_000
+    # Per speaker, each zero-shot system against the fine-tuned one on similarity, pace and failures
+    # (no --asr here: no CER rows), in the JSON's order, as the JSON says.
+    expected_verdicts = [
+        (other, c)
+        for s in result["speakers"].values()
+        for other, metrics in s["comparison"].items()
+        for c in metrics.values()
+        if c["pairs"]
+    ]
+    assert len(verdicts) == len(expected_verdicts) == len(SPEAKERS) * 2 * 3
+    labels = {"zero_shot_xvector": "zero-shot x-vector", "zero_shot_icl": "zero-shot ICL"}
+    for shown, (other, c) in zip(verdicts, expected_verdicts, strict=True):
+        metric, _, against, _, diff, verdict, p_value, test, pairs, visible = shown
+        assert visible and against == labels[other] and verdict == c["verdict"] and test == c["test"]
+        assert float(p_value) == pytest.approx(c["p_value"], rel=0.05, abs=1e-12)
+        assert float(diff) == pytest.approx(c["difference"], abs=5e-4) and int(pairs) == c["pairs"] == 2

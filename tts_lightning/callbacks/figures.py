@@ -1,12 +1,14 @@
 """TensorBoard figures of sampled speech: per speaker and text, the generated clip's mel spectrogram
 beside the speaker's real reference clip, with time (s) and frequency (Hz) axes, the step and the
-speaker similarity in the title."""
+speaker similarity in the title; `log_samples` writes them with the audio, the spectrogram images,
+the texts and (with asr) what the recognizer heard."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from tts_lightning.callbacks.spectrogram import mel_image
 from tts_lightning.model.generation import SAMPLE_RATE
 
 N_FFT, HOP, N_MELS = 1024, 256, 80
@@ -75,3 +77,35 @@ def log_comparisons(
         similarity = "n/a" if score is None else f"{score:.3f}"
         title = f"{speaker}, step {step}, similarity {similarity}: {texts[i][:60]}"
         writer.add_figure(f"{prefix}/{speaker}/{i}", comparison_figure(wav, real.get(speaker), title), step)
+
+
+def log_samples(
+    writer,
+    names: tuple[str, str],
+    texts: list[str],
+    rows: list,
+    wavs: list,
+    step: int,
+    real: dict,
+    scores: dict,
+    new_real: set[str],
+    transcripts: list[str] | None = None,
+) -> None:
+    """One sampling round to TensorBoard: the texts, per (speaker, text index) row the audio, its
+    spectrogram image and its figure beside the real clip (``names``: the audio's and the images'
+    tag prefixes), the real clips of ``new_real`` (once per run) and the transcripts."""
+    samples, spectrograms = names
+    for i, text in enumerate(texts):
+        writer.add_text(f"{samples}/text_{i}", text, step)
+    for (speaker, i), wav in zip(rows, wavs):
+        if wav.size == 0:
+            continue
+        audio = torch.from_numpy(np.clip(wav, -1.0, 1.0))[None]
+        writer.add_audio(f"{samples}/{speaker}/{i}", audio, step, sample_rate=SAMPLE_RATE)
+        writer.add_image(f"{spectrograms}/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
+    log_comparisons(writer, f"{spectrograms}_vs_real", rows, wavs, texts, real, scores, step)
+    for speaker in sorted(new_real):  # the real voice to listen to, beside the samples
+        writer.add_audio(f"real/{speaker}", torch.from_numpy(real[speaker])[None], step, sample_rate=SAMPLE_RATE)
+    for (speaker, i), heard in zip(rows, transcripts or []):  # what the recognizer heard
+        writer.add_text(f"{samples}/{speaker}/{i}/transcript", heard or "(nothing)", step)
+    writer.flush()

@@ -7,7 +7,9 @@ axes, step and similarity in the title; the real clip's audio once as ``real/<sp
 logs ``val/speaker_similarity`` (resemblyzer cosine against the speakers' reference clips) so that
 a `ModelCheckpoint` can monitor it, ``val/speaking_rate_ratio`` (seconds of speech per character
 over the speaker's real clips'; 1 = the speaker's pace) and ``val/eos_failure_rate`` (the share of
-samples that did not end within a limit set from the text's length and the speaker's pace).
+samples that did not end within a limit set from the text's length and the speaker's pace). With
+``asr`` (pocketsphinx or a Whisper checkpoint, the recognizers of `evaluate --asr`) it also logs
+``val/cer`` and ``val/wer``, each sample transcribed and scored against its text.
 
 Once, when a run starts from step 0, the same samples are made with the untrained weights: the base
 model cloning each speaker zero-shot from its x-vector (the speaker embedding the run trains with,
@@ -38,10 +40,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from tts_lightning.callbacks.figures import log_comparisons
+from tts_lightning.callbacks.figures import log_samples
 from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, speech_tokenizer_on
+from tts_lightning.callbacks.intelligibility import SampleIntelligibility
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
-from tts_lightning.callbacks.spectrogram import mel_image
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
@@ -52,7 +54,13 @@ DEFAULT_TEXTS = (
 METRIC_NAME = "val/speaker_similarity"
 RATE_NAME = "val/speaking_rate_ratio"
 EOS_NAME = "val/eos_failure_rate"
-METRICS = {"speaker_similarity": METRIC_NAME, "speaking_rate_ratio": RATE_NAME, "eos_failure_rate": EOS_NAME}
+METRICS = {
+    "speaker_similarity": METRIC_NAME,
+    "speaking_rate_ratio": RATE_NAME,
+    "eos_failure_rate": EOS_NAME,
+    "cer": "val/cer",  # with asr only
+    "wer": "val/wer",
+}
 BASELINE_PREFIX = "baseline/"
 FAILED: dict[str, float | None] = {}  # what a failed sampling round returns (compared by identity)
 
@@ -79,6 +87,8 @@ class SpeakerSamplesCallback(Callback):
             its text (``max_new_tokens`` still caps it).
         on_error: ``skip`` (warn, log NaN, keep training) or ``raise`` (stop the run) when sampling
             or scoring fails.
+        asr: None (default), "pocketsphinx" or a Whisper checkpoint (hub name or folder): transcribe
+            the samples and log ``val/cer`` and ``val/wer`` (as ``evaluate --asr`` scores them).
     """
 
     def __init__(
@@ -94,6 +104,7 @@ class SpeakerSamplesCallback(Callback):
         stop_below_baseline: int | None = None,
         limit_factor: float = 3.0,
         on_error: Literal["skip", "raise"] = "skip",
+        asr: str | None = None,
     ) -> None:
         if every_n_val_epochs < 1:
             raise ValueError(f"every_n_val_epochs must be >= 1, got {every_n_val_epochs}")
@@ -116,6 +127,8 @@ class SpeakerSamplesCallback(Callback):
         if on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
         self.on_error = on_error
+        self.asr = asr
+        self.intelligibility = None if asr is None else SampleIntelligibility(asr)
         self.baseline = baseline
         self.stop_below_baseline = stop_below_baseline
         self.limit_factor = float(limit_factor)
@@ -164,6 +177,8 @@ class SpeakerSamplesCallback(Callback):
         after the first validation. Decided the same way on every rank."""
         if stage != "fit":
             return
+        if self.intelligibility is not None:
+            self.intelligibility.check_installed()
         monitors = {getattr(cb, "monitor", None) for cb in trainer.checkpoint_callbacks}
         if METRIC_NAME not in monitors:
             return
@@ -188,7 +203,7 @@ class SpeakerSamplesCallback(Callback):
             return
         loggers = self._tensorboard_loggers(trainer)
         scoring = self.similarity and self._similarity_available()
-        if not loggers and not scoring:
+        if not loggers and not scoring and self.intelligibility is None:
             return
         values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=True)
         if values is not FAILED:
@@ -205,19 +220,24 @@ class SpeakerSamplesCallback(Callback):
         # skipped by one rank and entered by another.
         loggers = self._tensorboard_loggers(trainer)
         scoring = self.similarity and self._similarity_available()
-        if not loggers and not scoring:
+        if not loggers and not scoring and self.intelligibility is None:
             return
         values = self._sample_collectively(trainer, pl_module, loggers, scoring, baseline=False)
         if values is None:
             return
         if values is FAILED:  # NaN: the checkpoint monitor's worst, not a missing key that would stop the run
-            values = {key: float("nan") for key in METRICS if key != "speaker_similarity" or scoring}
+            values = {key: float("nan") for key in self._metric_keys(scoring)}
         for key, name in METRICS.items():
             value = values.get(key)
             if value is not None:
                 # The same value and key on every rank; the epoch-end reduction is entered by all.
                 pl_module.log(name, float(value), on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
         self._check_baseline(trainer, values)
+
+    def _metric_keys(self, scoring: bool) -> list[str]:
+        """The metrics a sampling round logs: similarity when scored, CER / WER with asr."""
+        skip = set() if scoring else {"speaker_similarity"}
+        return [k for k in METRICS if k not in skip and (k not in ("cer", "wer") or self.intelligibility)]
 
     def _check_baseline(self, trainer: pl.Trainer, values: dict[str, float | None]) -> None:
         """Early stop on similarity below the baseline; every rank holds the same broadcast values,
@@ -331,37 +351,25 @@ class SpeakerSamplesCallback(Callback):
         with speech_tokenizer_on(speech_tokenizer, pl_module.device):
             wavs = decode_codes(speech_tokenizer, codes)
         step = int(trainer.global_step)
-        samples, spectrograms = (
-            ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
-        )
+        names = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
         scores: dict[str, float] = {}  # per speaker, filled by _score
         similarity = self._score(trainer, rows, wavs, loggers, step, baseline, scores) if scoring else None
         real = {s: self.facts.reference_clip(trainer, s) for s in dict.fromkeys(s for s, _ in rows)}
-        for logger in loggers:
-            writer = logger.experiment
-            for i, text in enumerate(self.texts):
-                writer.add_text(f"{samples}/text_{i}", text, step)
-            for (speaker, i), wav in zip(rows, wavs):
-                if wav.size == 0:
-                    continue
-                writer.add_audio(
-                    f"{samples}/{speaker}/{i}",
-                    torch.from_numpy(np.clip(wav, -1.0, 1.0))[None],
-                    step,
-                    sample_rate=SAMPLE_RATE,
-                )
-                writer.add_image(f"{spectrograms}/{speaker}/{i}", mel_image(wav), step, dataformats="CHW")
-            log_comparisons(writer, f"{spectrograms}_vs_real", rows, wavs, self.texts, real, scores, step)
-            for speaker, clip in real.items():  # the real voice to listen to, beside the samples
-                if clip is not None and speaker not in self._real_logged:
-                    writer.add_audio(f"real/{speaker}", torch.from_numpy(clip)[None], step, sample_rate=SAMPLE_RATE)
-            writer.flush()
-        self._real_logged.update(s for s, c in real.items() if c is not None)
-        values = {
+        values: dict[str, float | None] = {
             "speaker_similarity": similarity,
-            "speaking_rate_ratio": self._rate_ratio(trainer, rows, wavs),
+            "speaking_rate_ratio": self.facts.rate_ratio(trainer, rows, wavs, self.texts),
             "eos_failure_rate": sum(failures) / len(failures),
         }
+        transcripts = None
+        if self.intelligibility is not None:
+            texts = [self.texts[i] for _, i in rows]
+            rates, transcripts = self.intelligibility.score(texts, wavs, SAMPLE_RATE, str(pl_module.device))
+            values.update(rates)
+        new_real = {s for s, c in real.items() if c is not None and s not in self._real_logged}
+        logged = (names, self.texts, rows, wavs, step, real, scores, new_real, transcripts)
+        for logger in loggers:
+            log_samples(logger.experiment, *logged)
+        self._real_logged.update(new_real)
         if baseline:
             for logger in loggers:
                 for key, value in values.items():
@@ -369,18 +377,6 @@ class SpeakerSamplesCallback(Callback):
                         logger.experiment.add_scalar(BASELINE_PREFIX + key, value, step)
                 logger.experiment.flush()
         return values
-
-    def _rate_ratio(self, trainer: pl.Trainer, rows: list, wavs: list) -> float | None:
-        """Mean over audible samples of their seconds per character over their speaker's."""
-        from tts_lightning.metrics.speech import speaking_rate_ratio
-
-        ratios = []
-        for (speaker, i), wav in zip(rows, wavs):
-            pace = self.facts.pace(trainer, speaker)
-            if pace is None or wav.size == 0 or not np.abs(wav).max() > 0:
-                continue
-            ratios.append(speaking_rate_ratio(wav, self.texts[i], SAMPLE_RATE, pace))
-        return float(np.mean(ratios)) if ratios else None
 
     def _score(self, trainer, rows, wavs, loggers, step, baseline: bool = False, scores=None) -> float | None:
         from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity

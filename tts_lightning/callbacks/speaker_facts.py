@@ -164,6 +164,19 @@ class SpeakerFacts:
             self._paces[speaker] = pace
         return self._paces[speaker]
 
+    def rate_ratio(self, trainer: pl.Trainer, rows: list, wavs: list, texts: list[str]) -> float | None:
+        """Mean over audible samples (``rows``: (speaker, text index)) of their seconds per character
+        over their speaker's."""
+        from tts_lightning.metrics.speech import speaking_rate_ratio
+
+        ratios = []
+        for (speaker, i), wav in zip(rows, wavs):
+            pace = self.pace(trainer, speaker)
+            if pace is None or wav.size == 0 or not np.abs(wav).max() > 0:
+                continue
+            ratios.append(speaking_rate_ratio(wav, texts[i], SAMPLE_RATE, pace))
+        return float(np.mean(ratios)) if ratios else None
+
     def frame_limit(self, trainer: pl.Trainer, speaker: str, text: str) -> int:
         """Frames a sample may take before it counts as not ending: from the text and the speaker's
         pace, at most ``max_new_tokens``."""

@@ -1,7 +1,8 @@
 """``evaluation.html``: one self-contained page to listen and see (no network, works from file://).
 
 Per speaker the real reference clip and, per text, an audio player per system and sample beside its
-scores; per speaker an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
+scores; per speaker the paired verdicts (each system against the fine-tuned one: Δ, verdict, p and
+the test used) and an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
 and end-of-speech failures per system with their spread; the run's settings. Audio is embedded as
 16-bit WAV data URIs."""
 
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from tts_lightning.evaluation.report import SYSTEM_LABELS
+from tts_lightning.evaluation.report import COMPARED, DEFAULT_ALPHA, SYSTEM_LABELS
 
 
 def _wav_uri(audio: np.ndarray, sample_rate: int) -> str:
@@ -84,8 +85,51 @@ def _scores(g: dict[str, Any]) -> str:
     return html.escape("; ".join(parts))
 
 
-def _speaker_section(name: str, speaker: dict[str, Any], sample_rate: int) -> list[str]:
-    out = [f"<h2>{html.escape(name)}</h2>", '<div class="chart">', _chart_svg(speaker), "</div>"]
+def _summary_value(summary: dict[str, Any], key: str) -> str:
+    """The system's own number for a compared metric, as the markdown table shows it."""
+    if key == "eos_failure_rate":
+        return f"{summary['eos_failures']}/{summary['generations']} failed"
+    stat = summary["speaking_rate_ratio" if key == "pace_error" else key]
+    if stat.get("mean") is None:
+        return "n/a"
+    digits = 2 if key == "pace_error" else 3
+    return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}" + (" (rate ratio)" if key == "pace_error" else "")
+
+
+def _verdicts_table(speaker: dict[str, Any], alpha: float) -> str:
+    """Each other system against the fine-tuned one, metric by metric: both values, the mean paired
+    difference, the verdict, its p-value and the test that gave it."""
+    summary = speaker["summary"]
+    head = "<tr><th>metric</th><th>fine-tuned</th><th>against</th><th>its value</th><th>Δ (paired)</th>"
+    rows = [head + "<th>verdict</th><th>p</th><th>test</th><th>pairs</th></tr>"]
+    for other, metrics in speaker["comparison"].items():
+        for key, c in metrics.items():
+            if c["pairs"] == 0:  # e.g. CER without --asr
+                continue
+            cells = [
+                COMPARED[key][2],
+                _summary_value(summary["fine_tuned"], key),
+                SYSTEM_LABELS.get(other, other),
+                _summary_value(summary[other], key),
+                f"{c['difference']:+.3f}",
+            ]
+            tds = "".join(f"<td>{html.escape(v)}</td>" for v in cells)
+            verdict = html.escape(c["verdict"])
+            rows.append(
+                f'<tr class="{verdict.replace(" ", "-")}">{tds}<td class="verdict"><b>{verdict}</b></td>'
+                f'<td class="p">{c["p_value"]:.2g}</td><td class="test">{html.escape(c["test"])}</td>'
+                f"<td>{c['pairs']}</td></tr>"
+            )
+    note = (
+        f"<p>Δ: fine-tuned minus the other system over the same (text, seed) pairs (pace: the change in "
+        f"|log rate ratio|). Better / worse only when the paired test gives p &lt; {alpha:g}, else within noise.</p>"
+    )
+    return '<table class="verdicts">' + "".join(rows) + "</table>" + note
+
+
+def _speaker_section(name: str, speaker: dict[str, Any], sample_rate: int, alpha: float) -> list[str]:
+    out = [f"<h2>{html.escape(name)}</h2>", _verdicts_table(speaker, alpha)]
+    out += ['<div class="chart">', _chart_svg(speaker), "</div>"]
     out.append(
         f'<p>Real reference clip: <audio controls preload="metadata" class="reference" '
         f'src="{_file_uri(speaker["reference"], sample_rate)}"></audio></p>'
@@ -112,8 +156,11 @@ def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in settings.items())
     body = ["<h1>Evaluation</h1>", f"<table class=settings>{rows}</table>"]
     for name, speaker in result["speakers"].items():
-        body += _speaker_section(name, speaker, sample_rate)
-    style = "body{font-family:sans-serif;margin:1em 2em}td,th{padding:2px 8px;text-align:left}svg{max-width:100%}"
+        body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))
+    style = (
+        "body{font-family:sans-serif;margin:1em 2em}td,th{padding:2px 8px;text-align:left}svg{max-width:100%}"
+        "tr.better .verdict{color:#1a7f37}tr.worse .verdict{color:#c62828}"
+    )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>Evaluation</title>'
         f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
