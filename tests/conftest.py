@@ -29,8 +29,9 @@ def _no_leaked_process_group():
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+    if dict(os.environ) != environ:  # untouched, it stays so: threads of a module may be reading it
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture(scope="session")

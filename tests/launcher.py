@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,14 +61,21 @@ def cli_ranks(args, cwd=None) -> int | None:
 
 
 class Zygote:
-    """tests/zygote.py, started on first use and stopped by `close`."""
+    """tests/zygote.py, started on first use and stopped by `close`. Threads may fork from it at once
+    (tests/test_shipped_configs.py runs two one-process commands side by side): one request and its
+    answer at a time."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._ready = False
+        self._lock = threading.RLock()
 
     def start(self) -> None:
         """Start it (not waiting for its imports) unless it runs."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
             # Its own output (import-time noise, a crash) goes to a file, shown if it fails to start.
             self._log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
@@ -83,7 +91,11 @@ class Zygote:
             self._ready = False
 
     def fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str, disk=None) -> Forked:
-        self.start()
+        with self._lock:
+            return self._fork(argv, env, cwd, stdout, stderr, disk)
+
+    def _fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str, disk) -> Forked:
+        self._start()
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         if not self._ready:
             if self._proc.stdout.readline().strip() != "ready":
@@ -109,14 +121,17 @@ class Zygotes:
 
     def __init__(self) -> None:
         self._zygotes: list[Zygote] = []
+        self._lock = threading.Lock()
 
     def for_ranks(self, ranks: int) -> list[Zygote]:
         """The first ``ranks`` zygotes, all started (their imports run side by side)."""
-        while len(self._zygotes) < ranks:
-            self._zygotes.append(Zygote())
-        for zygote in self._zygotes[:ranks]:
+        with self._lock:
+            while len(self._zygotes) < ranks:
+                self._zygotes.append(Zygote())
+            zygotes = self._zygotes[:ranks]
+        for zygote in zygotes:
             zygote.start()
-        return self._zygotes[:ranks]
+        return zygotes
 
     def close(self) -> None:
         for zygote in self._zygotes:

@@ -115,23 +115,31 @@ def test_quiet_output_keeps_everything_when_the_body_fails(capfd):
     assert "flash-attn" in capfd.readouterr().out
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def _python(*codes: str) -> list[subprocess.CompletedProcess]:
+    """Each code in a fresh interpreter of its own, all at once (each spends seconds importing)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for code in codes
+    ]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # only one that still runs: a timeout
+            p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 
 
 def test_the_installed_filters_silence_qwen_tts_import_alone():
     code = "import qwen_tts, torchao; print('imported', qwen_tts.Qwen3TTSModel.__name__)"
-    proc = _python("from tts_lightning import console; console.install(); " + code)
+    proc, unfiltered = _python("from tts_lightning import console; console.install(); " + code, code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "imported Qwen3TTSModel\n" and proc.stderr == ""
     # Without the filters, torchao's import logs what LOG_FILTERS drops (the filter is still needed).
-    assert "<enum 'KernelPreference'> is an Enum subclass" in _python(code).stderr
+    assert "<enum 'KernelPreference'> is an Enum subclass" in unfiltered.stderr
 
 
 def test_export_to_a_full_disk_is_one_clear_error(workspace, demo_outputs, tmp_path, run_cli):

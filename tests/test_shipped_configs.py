@@ -11,10 +11,15 @@ the world-size-1 runs (FSDP1 switches to NO_SHARD there) with the samples callba
 What CPU cannot run is said in the config's own comment (e.g. ``cpu_offload``, which pins memory:
 tests/test_configs.py checks that those commented options still parse; the offload path itself is
 rehearsed in tests/distributed/test_process_group.py and measured by benchmarks/gpu_check.sh).
+
+The one-process configs (the 1-GPU ones) rehearse two at a time, each in a thread of this process
+(`one_process_rehearsals`): a one-process run keeps one of the 2 CPU cores busy. A multi-process
+config waits until none runs, and rehearses alone.
 """
 
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -102,8 +107,12 @@ def _steps_of(path: Path) -> int:
     return load_training_checkpoint(path).global_step
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, run_cli):
+def _devices(config: Path) -> int:
+    return (_raw(config).get("trainer") or {}).get("devices", 1)
+
+
+def rehearse(config: Path, workdir: Path, tiny_dir: Path, run_cli) -> None:
+    """Fit, resume and validate ``config``, asserting on each as it ends."""
     run = workdir / config.stem
     common = ["--config", config, *overrides(config, workdir, tiny_dir, run)]
     fitted = run_cli("fit", *common, "--trainer.max_steps", STEPS, cwd=workdir)
@@ -132,3 +141,32 @@ def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, ru
 
     validated = run_cli("validate", *common, "--ckpt_path", last, cwd=workdir)
     assert re.search(r"val/loss\s*│\s*\d+\.\d+", validated.stdout), validated.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_process_rehearsals(request, workdir, tiny_dir, run_cli):
+    """{config: the Future of its `rehearse`} for the session's one-process configs, started on first
+    use, two at a time."""
+    selected = [
+        item.callspec.params["config"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    futures: dict[Path, Future] = {}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rehearse") as pool:
+        for config in selected:
+            if _devices(config) == 1:
+                futures[config] = pool.submit(rehearse, config, workdir, tiny_dir, run_cli)
+        yield futures
+        for future in futures.values():  # a test cut short (-x, ^C): no run outlives the module
+            future.cancel()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_shipped_config_fits_resumes_and_validates(config, workdir, tiny_dir, run_cli, one_process_rehearsals):
+    if config in one_process_rehearsals:
+        one_process_rehearsals[config].result()  # its failure, raised here
+        return
+    for future in one_process_rehearsals.values():  # this config's processes take both cores
+        future.exception()
+    rehearse(config, workdir, tiny_dir, run_cli)
