@@ -187,7 +187,9 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
     for model, when in ((start, "before"), (trained, "after")):
         for name, s in forgetting["speakers"].items():
             assert s[when]["loss"] == pytest.approx(_replay_loss(model, data, rows[name]), abs=1e-4), (name, when)
-    assert "Forgetting" in (out / "evaluation.md").read_text()
+    table = (out / "evaluation.md").read_text()
+    assert "Forgetting" in table and "similarity after/before" in table
+    print(table[table.index("Forgetting") :])
     _check_built_in_audio(cache, out, forgetting, tiny_custom_voice_dir, tmp_path)
 
 
@@ -228,13 +230,16 @@ def _check_built_in_audio(cache, out, forgetting, start_dir, tmp_path):
         expected = [g[f"{when}_seconds"] for s in forgetting["speakers"].values() for g in s["samples"]]
         assert seconds == pytest.approx(expected, abs=0.01) and len(seconds) == len(records)
 
+    # One speaker's records (time): said again by the starting model, identical, similarity 1.
     start = Qwen3TTSModel.from_pretrained(str(start_dir), device_map="cpu", dtype=torch.float32)
-    again = json.loads(json.dumps(forgetting))
+    name = next(iter(forgetting["speakers"]))
+    again = {"records": forgetting["records"], "speakers": {name: {}}}
     speak_built_in(start, again, tmp_path / "start-audio", device="cpu")
-    for s in again["speakers"].values():
-        for g in s["samples"]:
-            before, after = (sf.read(g[f"{when}_audio"])[0] for when in ("before", "after"))
-            np.testing.assert_allclose(after, before, atol=1e-4)
+    assert len(again["speakers"][name]["samples"]) == len(TEXTS)
+    for g in again["speakers"][name]["samples"]:
+        before, after = (sf.read(g[f"{when}_audio"])[0] for when in ("before", "after"))
+        np.testing.assert_allclose(after, before, atol=1e-4)
+        assert g["similarity"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_replay_texts_come_from_the_setting_the_file_or_the_shipped_list(tmp_path):

@@ -3,8 +3,9 @@
 Per speaker the real reference clip and, per text, an audio player per system and sample beside its
 scores; per speaker the paired verdicts (each system against the fine-tuned one: Δ, verdict, p and
 the test used) and an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
-and end-of-speech failures per system with their spread; the run's settings. Audio is embedded as
-16-bit WAV data URIs."""
+and end-of-speech failures per system with their spread; the run's settings; with replay records,
+a "Built-in speakers" section (the forgetting table; per replay text, the starting and the
+fine-tuned model). Audio is embedded as 16-bit WAV data URIs."""
 
 from __future__ import annotations
 
