@@ -187,7 +187,59 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
     for model, when in ((start, "before"), (trained, "after")):
         for name, s in forgetting["speakers"].items():
             assert s[when]["loss"] == pytest.approx(_replay_loss(model, data, rows[name]), abs=1e-4), (name, when)
-    assert "Forgetting" in (out / "evaluation.md").read_text()
+    table = (out / "evaluation.md").read_text()
+    assert "Forgetting" in table and "similarity after/before" in table
+    print(table[table.index("Forgetting") :])
+    _check_built_in_audio(cache, out, forgetting, tiny_custom_voice_dir, tmp_path)
+
+
+def _check_built_in_audio(cache, out, forgetting, start_dir, tmp_path):
+    """evaluate's built-in speakers heard: per replay record, the starting model's speech (the record's
+    codes decoded) and the fine-tuned model's with the same seed, written and decodable, and shown on
+    evaluation.html (the forgetting table as in evaluation.json, every player's source decoding). The
+    starting model through the same path says exactly its records: the seed and settings are the records'."""
+    import soundfile as sf
+    from browser import durations, open_page
+    from qwen_tts import Qwen3TTSModel
+
+    from tts_lightning.evaluation.built_in import speak_built_in
+
+    _, records = read_records(read_pointer(cache))
+    for name, s in forgetting["speakers"].items():
+        assert [g["text"] for g in s["samples"]] == [r.text for r in records if r.speaker == name]
+        for g, r in zip(s["samples"], (r for r in records if r.speaker == name)):
+            for when in ("before", "after"):
+                audio, sr = sf.read(g[f"{when}_audio"])
+                assert sr == 24_000 and audio.size == round(g[f"{when}_seconds"] * sr) > 0
+            assert g["before_seconds"] == r.frames * 1920 / 24_000  # 12.5 codec frames a second
+            assert -1 <= g["similarity"] <= 1
+    errors: list[str] = []
+    with open_page(out / "evaluation.html", errors) as page:
+        assert page.locator("h2#built-in").inner_text() == "Built-in speakers"
+        shown = page.evaluate(
+            """() => [...document.querySelectorAll('table.forgetting tr')].slice(1)
+                .map(r => [...r.querySelectorAll('td')].map(td => td.innerText))"""
+        )
+        heard = {when: durations(page, f"audio.built-in.{when}") for when in ("before", "after")}
+    assert not errors, errors
+    assert [row[0] for row in shown] == list(forgetting["speakers"])
+    for (_, n, before, after, difference), s in zip(shown, forgetting["speakers"].values(), strict=True):
+        assert int(n) == s["before"]["records"] and float(difference) == pytest.approx(s["difference"], abs=5e-5)
+        assert (float(before), float(after)) == pytest.approx((s["before"]["loss"], s["after"]["loss"]), abs=5e-5)
+    for when, seconds in heard.items():
+        expected = [g[f"{when}_seconds"] for s in forgetting["speakers"].values() for g in s["samples"]]
+        assert seconds == pytest.approx(expected, abs=0.01) and len(seconds) == len(records)
+
+    # One speaker's records (time): said again by the starting model, identical, similarity 1.
+    start = Qwen3TTSModel.from_pretrained(str(start_dir), device_map="cpu", dtype=torch.float32)
+    name = next(iter(forgetting["speakers"]))
+    again = {"records": forgetting["records"], "speakers": {name: {}}}
+    speak_built_in(start, again, tmp_path / "start-audio", device="cpu")
+    assert len(again["speakers"][name]["samples"]) == len(TEXTS)
+    for g in again["speakers"][name]["samples"]:
+        before, after = (sf.read(g[f"{when}_audio"])[0] for when in ("before", "after"))
+        np.testing.assert_allclose(after, before, atol=1e-4)
+        assert g["similarity"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_replay_texts_come_from_the_setting_the_file_or_the_shipped_list(tmp_path):

@@ -190,37 +190,24 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
     generation plus one real clip per speaker, every source decodes to its clip's duration, one chart
     per speaker, and the paired verdicts of evaluation.json shown (verdict, p, test) for every
     system against the fine-tuned one. The screenshot is left in the test's tmp folder."""
-    from playwright.sync_api import sync_playwright
+    from browser import durations as decoded
+    from browser import open_page
 
     out, _ = evaluated
     result = json.loads((out / "evaluation.json").read_text())
     gens = [g for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
     errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        page = browser.new_page()
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto((out / "evaluation.html").as_uri())
+    with open_page(out / "evaluation.html", errors) as page:
         assert page.locator("audio.generation").count() == len(gens) == 12
         assert page.locator("audio.reference").count() == len(SPEAKERS)
         assert page.locator("div.chart svg").count() == len(SPEAKERS)
-        durations = page.evaluate(
-            """() => Promise.all([...document.querySelectorAll('audio.generation')].map(a => new Promise(
-                (ok, bad) => {
-                    if (a.readyState >= 1) return ok(a.duration);
-                    a.addEventListener('loadedmetadata', () => ok(a.duration));
-                    a.addEventListener('error', () => bad(new Error('cannot decode: ' + a.error.code)));
-                    a.load();
-                })))"""
-        )
+        durations = decoded(page, "audio.generation")
         verdicts = page.evaluate(
             """() => [...document.querySelectorAll('table.verdicts tr')].filter(r => r.querySelector('td.verdict'))
                 .map(r => [...r.querySelectorAll('td')].map(td => td.innerText)
                     .concat([r.querySelector('td.verdict').checkVisibility()]))"""
         )
         page.screenshot(path=str(tmp_path / "evaluation.png"), full_page=True)
-        browser.close()
     assert not errors, errors
     expected = [g["seconds"] for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
     assert durations == pytest.approx(expected, abs=0.01)

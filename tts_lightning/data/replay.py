@@ -84,6 +84,11 @@ def mixed_records(records: Sequence[Any], train_records: int, fraction: float) -
     return [records[i % len(records)] for i in range(mixed_count(train_records, fraction))]
 
 
+def record_seed(seed: int, speaker_number: int, text_number: int) -> int:
+    """The seed of one replay record: the built-in speaker's number in sorted order, the text's in the list."""
+    return seed + 1000 * speaker_number + text_number
+
+
 def _generation(info: PretrainedInfo, max_new_tokens: int) -> dict[str, Any]:
     from tts_lightning.model.generation import generation_defaults
 
@@ -142,6 +147,7 @@ def prepare_replay(
     except FileNotFoundError:
         records = _speak(folder, cache_dir, info, texts, _generation(info, max_new_tokens), seed, device)
         header = {"version": REPLAY_VERSION, "pretrained": str(info.path), "seed": seed, "texts": list(texts)}
+        header["max_new_tokens"] = int(max_new_tokens)  # evaluate has the fine-tuned model say them alike
         atomic_write_json(folder / "records.json", {**header, "records": [asdict(r) for r in records]})
         rank_zero_info(f"replay: {len(records)} record(s) spoken by the starting model ({folder})")
     atomic_write_json(cache_dir / POINTER_NAME, {"folder": folder.relative_to(cache_dir).as_posix()})
@@ -182,7 +188,7 @@ def _speak(
         language = spoken_language(talker_config, speaker, "auto")
         for t, text in enumerate(texts):
             ids = torch.tensor([tokenize_text(tokenizer, text)], dtype=torch.long, device=device)
-            with torch.no_grad(), _seeded(seed + 1000 * s + t, torch.device(device)):
+            with torch.no_grad(), _seeded(record_seed(seed, s, t), torch.device(device)):
                 codes, _ = generate(
                     input_ids=[ids], languages=[language], speakers=[speaker], non_streaming_mode=True, **generation
                 )

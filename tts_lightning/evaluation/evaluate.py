@@ -202,6 +202,7 @@ def evaluate(
             model_dir,
             base_dir,
             plans,
+            forgetting=forgetting,
             icl=icl,
             device=device,
             torch_dtype=torch_dtype,
@@ -279,16 +280,22 @@ def _generate_all(
     base_dir: Path,
     plans: list[SpeakerPlan],
     *,
+    forgetting: dict[str, Any] | None,
     icl: bool,
     device: str,
     torch_dtype: torch.dtype,
     **common: Any,
 ) -> dict[str, dict[str, list[dict]]]:
-    """Every system's generations: the fine-tuned model's, then the base model's (x-vector, then
-    ICL when ``icl``), one model in memory at a time. ``common``: `_generate_system`'s settings."""
+    """Every system's generations: the fine-tuned model's (and, with ``forgetting``, its built-in
+    speakers' replay texts, `speak_built_in`), then the base model's (x-vector, then ICL when
+    ``icl``), one model in memory at a time. ``common``: `_generate_system`'s settings."""
     generated: dict[str, dict[str, list[dict]]] = {}
     tts = _load(model_dir, device, torch_dtype)
     generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
+    if forgetting is not None:
+        from tts_lightning.evaluation.built_in import speak_built_in
+
+        speak_built_in(tts, forgetting, common["audio_dir"], device=device)
     del tts
     _free(device)
     tts = _load(base_dir, device, torch_dtype)

@@ -89,13 +89,16 @@ def forgetting_table(forgetting: dict[str, Any]) -> str:
         "",
         "Forgetting: built-in speakers' teacher-forced loss on the replay records (starting model's speech)",
         "",
-        "| built-in speaker | records | loss before | loss after | Δ (after - before) |",
-        "|---|---|---|---|---|",
+        "| built-in speaker | records | loss before | loss after | Δ (after - before) | similarity after/before |",
+        "|---|---|---|---|---|---|",
     ]
     for name, s in forgetting["speakers"].items():
         before, after = s["before"], s["after"]
+        scores = [g["similarity"] for g in s.get("samples", []) if g["similarity"] is not None]
+        similarity = f"{sum(scores) / len(scores):.3f}" if scores else "n/a"  # the mean over the records heard
         lines.append(
-            f"| {name} | {before['records']} | {before['loss']:.4f} | {after['loss']:.4f} | {s['difference']:+.4f} |"
+            f"| {name} | {before['records']} | {before['loss']:.4f} | {after['loss']:.4f} | {s['difference']:+.4f} "
+            f"| {similarity} |"
         )
     lines += ["", "Δ > 0: the fine-tuned model fits the starting model's speech worse (forgetting)."]
     return "\n".join(lines) + "\n"

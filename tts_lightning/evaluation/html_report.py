@@ -3,8 +3,9 @@
 Per speaker the real reference clip and, per text, an audio player per system and sample beside its
 scores; per speaker the paired verdicts (each system against the fine-tuned one: Δ, verdict, p and
 the test used) and an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
-and end-of-speech failures per system with their spread; the run's settings. Audio is embedded as
-16-bit WAV data URIs."""
+and end-of-speech failures per system with their spread; the run's settings; with replay records,
+a "Built-in speakers" section (the forgetting table; per replay text, the starting and the
+fine-tuned model). Audio is embedded as 16-bit WAV data URIs."""
 
 from __future__ import annotations
 
@@ -151,12 +152,46 @@ def _speaker_section(name: str, speaker: dict[str, Any], sample_rate: int, alpha
     return out
 
 
+def _built_in_section(forgetting: dict[str, Any], sample_rate: int) -> list[str]:
+    """The forgetting table (`tts_lightning.evaluation.forgetting`) and, per replay text, the starting
+    model's speech (the record) beside the fine-tuned model's (`tts_lightning.evaluation.built_in`)."""
+    head = "<tr><th>built-in speaker</th><th>records</th><th>loss before</th><th>loss after</th><th>Δ</th></tr>"
+    rows = [head]
+    for name, s in forgetting["speakers"].items():
+        rows.append(
+            f'<tr><td class="speaker">{html.escape(name)}</td><td>{s["before"]["records"]}</td>'
+            f'<td class="before">{s["before"]["loss"]:.4f}</td><td class="after">{s["after"]["loss"]:.4f}</td>'
+            f'<td class="difference">{s["difference"]:+.4f}</td></tr>'
+        )
+    out = [
+        '<h2 id="built-in">Built-in speakers</h2>',
+        "<p>Teacher-forced loss on the replay records (the starting model's own speech with each built-in "
+        "speaker), with the starting model (before) and the fine-tuned one (after); Δ &gt; 0: forgetting.</p>",
+        '<table class="forgetting">' + "".join(rows) + "</table>",
+    ]
+    for name, s in forgetting["speakers"].items():
+        out.append(f"<h3>{html.escape(name)}</h3>")
+        out.append("<table><tr><th>text</th><th>starting model</th><th>fine-tuned</th><th>similarity</th></tr>")
+        for g in s.get("samples", []):
+            players = "".join(
+                f'<td><audio controls preload="metadata" class="built-in {when}" '
+                f'src="{_file_uri(g[when + "_audio"], sample_rate)}"></audio></td>'
+                for when in ("before", "after")
+            )
+            similarity = "n/a" if g["similarity"] is None else f"{g['similarity']:.3f}"
+            out.append(f"<tr><td>“{html.escape(g['text'])}” (seed {g['seed']})</td>{players}<td>{similarity}</td></tr>")
+        out.append("</table>")
+    return out
+
+
 def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
     settings = {"model": result["model"], "base": result["base"], "prepared": result["prepared"], **result["settings"]}
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in settings.items())
     body = ["<h1>Evaluation</h1>", f"<table class=settings>{rows}</table>"]
     for name, speaker in result["speakers"].items():
         body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))
+    if "forgetting" in result:
+        body += _built_in_section(result["forgetting"], sample_rate)
     style = (
         "body{font-family:sans-serif;margin:1em 2em}td,th{padding:2px 8px;text-align:left}svg{max-width:100%}"
         "tr.better .verdict{color:#1a7f37}tr.worse .verdict{color:#c62828}"
