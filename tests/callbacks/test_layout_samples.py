@@ -20,14 +20,20 @@ from tts_lightning.metrics.speech import max_new_tokens_for
 TEXTS = ["Good morning, how are you today?"]
 
 
-def official_clone(tiny_dir, module, prompts, texts, languages, streaming, seed, **kwargs):
-    """``Qwen3TTSModel.generate_voice_clone`` on the module's weights, with the talker codes it generated."""
+def official_model(tiny_dir, module):
+    """The official ``Qwen3TTSModel`` (tokenizers, sampling settings) holding the module's weights."""
     from qwen_tts import Qwen3TTSModel
-    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
 
     official = Qwen3TTSModel.from_pretrained(str(tiny_dir))
     official.model.load_state_dict(module.model.state_dict())
     official.model.eval()
+    return official
+
+
+def official_clone(official, prompts, texts, languages, streaming, seed, **kwargs):
+    """``generate_voice_clone``'s audio, with the talker codes it generated."""
+    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
+
     generated = []
     generate = official.model.generate
 
@@ -42,9 +48,12 @@ def official_clone(tiny_dir, module, prompts, texts, languages, streaming, seed,
         for t, c, e in prompts
     ]
     torch.manual_seed(seed)
-    wavs, _ = official.generate_voice_clone(
-        text=texts, language=languages, voice_clone_prompt=items, non_streaming_mode=not streaming, **kwargs
-    )
+    try:
+        wavs, _ = official.generate_voice_clone(
+            text=texts, language=languages, voice_clone_prompt=items, non_streaming_mode=not streaming, **kwargs
+        )
+    finally:
+        official.model.generate = generate
     return wavs, generated
 
 
@@ -60,7 +69,7 @@ def training_reference(data, speaker):
 def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_dir, make_datamodule, tmp_path):
     torch.set_num_threads(1)
     L.seed_everything(0)
-    data = make_datamodule(layout="icl", streaming=streaming, max_frames_per_batch=1500, predict_texts=TEXTS)
+    data = make_datamodule(layout="icl", streaming=streaming, max_frames_per_batch=700, predict_texts=TEXTS)
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
     samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=6, seed=3, similarity=False, baseline=False)
     trainer = L.Trainer(
@@ -85,8 +94,9 @@ def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_di
     prompts = [(*training_reference(data, s), embeddings[i].float()) for i, s in enumerate(speakers)]
     languages = [samples.facts.language_of(trainer, s) for s in speakers]
     limit = max(samples.facts.frame_limit(trainer, s, TEXTS[0]) for s in speakers)
+    official = official_model(tiny_dir, module)
     wavs, codes = official_clone(
-        tiny_dir, module, prompts, TEXTS * 2, languages, streaming, 3, max_new_tokens=max_new_tokens_for(limit)
+        official, prompts, TEXTS * 2, languages, streaming, 3, max_new_tokens=max_new_tokens_for(limit)
     )
     assert all(0 < c.shape[0] <= limit for c in codes)
     for speaker, wav in zip(speakers, wavs):  # the logged sample is the official clone of the same codes
@@ -101,7 +111,7 @@ def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_di
     module.predict_tools()  # loads the tokenizers (their random init draws from the RNG)
     torch.manual_seed(5)
     predictions = module.eval().predict_step(batch, 0)
-    _, expected = official_clone(tiny_dir, module, prompts, TEXTS * 2, languages, streaming, 5)
+    _, expected = official_clone(official, prompts, TEXTS * 2, languages, streaming, 5)
     assert [p["speaker"] for p in predictions] == speakers
     for prediction, want in zip(predictions, expected):
         assert torch.equal(prediction["codes"], want)

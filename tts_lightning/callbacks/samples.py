@@ -314,15 +314,13 @@ class SpeakerSamplesCallback(Callback):
             names = list(cast(Any, pl_module).speakers)
             embeddings = weight[[codec_ids[names.index(s)] for s in speakers]].detach().float()
         text_tokenizer = self._text_tokenizer(pl_module)
-        from tts_lightning.data.references import generation_layout
-        from tts_lightning.model.layouts import reference_prompt_ids
+        from tts_lightning.data.references import generation_prompts
         from tts_lightning.model.sequence import tokenize_text
 
         rows = [(s, i) for s in speakers for i in range(len(self.texts))]
         # The layout the run trains, an icl run cloning from each speaker's training reference.
-        layout, refs = generation_layout(getattr(trainer, "datamodule", None), speakers)
-        prompts = {s: (reference_prompt_ids(text_tokenizer, r.text), r.codes) for s, r in refs.items()}
-        references = [prompts[s] for s, _ in rows] if refs else None
+        layout, prompts = generation_prompts(getattr(trainer, "datamodule", None), speakers, text_tokenizer)
+        references = [prompts[s] for s, _ in rows] if prompts else None
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self.facts.language_of(trainer, s) for s, _ in rows]
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])

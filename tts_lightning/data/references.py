@@ -15,7 +15,13 @@ from pathlib import Path
 
 from tts_lightning.data.prepared_index import PreparedClip
 from tts_lightning.errors import ConfigError
-from tts_lightning.model.layouts import Reference, SequenceLayout, VoiceReference, reference_text_ids
+from tts_lightning.model.layouts import (
+    Reference,
+    SequenceLayout,
+    VoiceReference,
+    reference_prompt_ids,
+    reference_text_ids,
+)
 
 
 def choose_references(clips: list[PreparedClip], seed: int) -> list[int]:
@@ -69,3 +75,10 @@ def generation_layout(datamodule, speakers: list[str]) -> tuple[SequenceLayout, 
     if not layout.needs_reference:
         return layout, {}
     return layout, speaker_references(datamodule.prepared_index.clips, datamodule.cache_dir, datamodule.seed, speakers)
+
+
+def generation_prompts(datamodule, speakers: list[str], tokenizer) -> tuple[SequenceLayout, dict[str, tuple]]:
+    """`generation_layout` with each reference as ``generate`` takes it: (the transcript's template
+    ids, `reference_prompt_ids`; the codes)."""
+    layout, refs = generation_layout(datamodule, speakers)
+    return layout, {s: (reference_prompt_ids(tokenizer, r.text), r.codes) for s, r in refs.items()}
