@@ -98,3 +98,33 @@ def test_decode_codes_gives_24khz_float32(tiny):
     wav, nothing = decode_codes(load_speech_tokenizer(info), [codes, empty])
     assert wav.dtype == np.float32 and wav.shape == (codes.shape[0] * 1920,) and np.abs(wav).max() > 0
     assert nothing.shape == (0,)
+
+
+def test_xvector_streaming_layout_generates_as_generate_voice_clone(tiny):
+    """``data.streaming`` without ICL: the codes of `generate_voice_clone(x_vector_only_mode=True,
+    non_streaming_mode=False)` on the same weights, speaker embedding, seed and texts."""
+    from qwen_tts import Qwen3TTSModel
+    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
+
+    from tts_lightning.model.layouts import SequenceLayout
+
+    info, model, tokenizer, speaker = tiny
+    texts = ["Good morning.", "See you soon, my friend."]
+    text_ids = [tokenize_text(tokenizer, t) for t in texts]
+    layout = SequenceLayout("xvector", streaming=True)
+    ours = generate_codes(model, text_ids, speaker.expand(2, -1), max_new_tokens=8, seed=4, layout=layout)
+    official, generate, recorded = Qwen3TTSModel(model, tokenizer), model.generate, []
+    model.load_speech_tokenizer(load_speech_tokenizer(info))  # generate_voice_clone decodes
+    model.generate = lambda *a, **kw: recorded.append(generate(*a, **kw)[0]) or (recorded[-1], None)
+    try:
+        item = VoiceClonePromptItem(None, speaker[0], x_vector_only_mode=True, icl_mode=False, ref_text=None)
+        torch.manual_seed(4)
+        official.generate_voice_clone(texts, ["auto"] * 2, voice_clone_prompt=[item] * 2, max_new_tokens=8)
+    finally:
+        del model.generate  # the class's generate again
+        model.load_speech_tokenizer(None)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(ours, recorded[0]))
+    default = generate_codes(model, text_ids, speaker.expand(2, -1), max_new_tokens=8, seed=4)
+    assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(ours, default))  # another layout
+    with pytest.raises(ValueError, match="icl layout needs one reference per row"):
+        generate_codes(model, text_ids, speaker.expand(2, -1), max_new_tokens=4, layout=SequenceLayout("icl"))

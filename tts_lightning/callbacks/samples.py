@@ -11,9 +11,13 @@ samples that did not end within a limit set from the text's length and the speak
 ``asr`` (pocketsphinx or a Whisper checkpoint, the recognizers of `evaluate --asr`) it also logs
 ``val/cer`` and ``val/wer``, each sample transcribed and scored against its text.
 
+Samples are generated in the layout the run trains (``data.layout``, ``data.streaming``), as
+``generate_voice_clone`` builds it; an ``icl`` run clones each speaker from the reference clip and
+transcript of its first training clip (`tts_lightning.data.references.speaker_references`).
+
 Once, when a run starts from step 0, the same samples are made with the untrained weights: the base
-model cloning each speaker zero-shot from its x-vector (the speaker embedding the run trains with,
-non-streaming, the layout training uses). Their values are logged at step 0 as ``baseline/...`` (and
+model cloning each speaker zero-shot from its x-vector (the speaker embedding the run trains with)
+in the same layout. Their values are logged at step 0 as ``baseline/...`` (and
 their audio as ``baseline_samples/...``): the line the fine-tuned voice has to beat. With
 ``stop_below_baseline=N`` training stops when the similarity stays below the baseline's for N
 sampled validations in a row.
@@ -310,9 +314,13 @@ class SpeakerSamplesCallback(Callback):
             names = list(cast(Any, pl_module).speakers)
             embeddings = weight[[codec_ids[names.index(s)] for s in speakers]].detach().float()
         text_tokenizer = self._text_tokenizer(pl_module)
+        from tts_lightning.data.references import generation_prompts
         from tts_lightning.model.sequence import tokenize_text
 
         rows = [(s, i) for s in speakers for i in range(len(self.texts))]
+        # The layout the run trains, an icl run cloning from each speaker's training reference.
+        layout, prompts = generation_prompts(getattr(trainer, "datamodule", None), speakers, text_tokenizer)
+        references = [prompts[s] for s, _ in rows] if prompts else None
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self.facts.language_of(trainer, s) for s, _ in rows]
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
@@ -329,12 +337,15 @@ class SpeakerSamplesCallback(Callback):
                     max_new_tokens=max_new_tokens_for(max(limits)),
                     seed=self.seed,
                     dtype=cast(Any, model.talker).get_input_embeddings().weight.dtype,
+                    layout=layout,
+                    references=references,
                 )
         finally:
             for module, training in modes.items():
                 module.training = training
         failures = [hit_frame_limit(c.shape[0], limit) for c, limit in zip(codes, limits)]
-        return rows, [c[:limit] for c, limit in zip(codes, limits)], failures
+        prefixes = [c for _, c in references] if references else None  # decoded before the samples
+        return rows, [c[:limit] for c, limit in zip(codes, limits)], failures, prefixes
 
     def _log_and_score(
         self,
@@ -346,10 +357,10 @@ class SpeakerSamplesCallback(Callback):
         *,
         baseline: bool = False,
     ) -> dict[str, float | None]:
-        rows, codes, failures = generated
+        rows, codes, failures, prefixes = generated
         speech_tokenizer = self._speech_tokenizer(pl_module)
         with speech_tokenizer_on(speech_tokenizer, pl_module.device):
-            wavs = decode_codes(speech_tokenizer, codes)
+            wavs = decode_codes(speech_tokenizer, codes, prefixes)
         step = int(trainer.global_step)
         names = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
         scores: dict[str, float] = {}  # per speaker, filled by _score

@@ -35,7 +35,7 @@ from tts_lightning.data.batching import BatchSamplerView, LengthBucketBatchSampl
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.prepare_ranks import prepare_with_strategy, rank_device  # noqa: F401 (rank_device: its old home)
-from tts_lightning.data.references import references
+from tts_lightning.data.references import generation_layout, references
 from tts_lightning.data.replay import mixed_records, replay_items
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
@@ -419,12 +419,15 @@ class SpeakerClipsDataModule(LightningDataModule):
         if unknown:
             raise ValueError(f"predict_speakers {unknown} are not speakers of this run {self.speaker_names}")
         world, rank = self._replicas()
+        layout, references = generation_layout(self, speakers)  # spoken in the layout trained
         dataset = TextsDataset(
             read_texts(self.predict_texts, self.predict_texts_file),
             speakers,
             languages=self.settings.language or speaker_languages(index.to_json()),
             num_replicas=world,
             rank=rank,
+            layout=layout,
+            references=references,
         )
         return DataLoader(dataset, batch_size=self.batch_size or 8, collate_fn=collate_texts)
 

@@ -1,6 +1,7 @@
 """Prediction data: texts to speak with the run's speakers, and a writer for the audio.
 
-`TextsDataset` pairs every text with every requested speaker; `collate_texts` makes the batch
+`TextsDataset` pairs every text with every requested speaker (in the run's layout, with each
+speaker's reference for ``icl``); `collate_texts` makes the batch
 `Qwen3TTSModule.predict_step` reads: a `PredictBatch`, defined beside the generation code it feeds
 (`tts_lightning.model.generation`: nothing in ``model/`` imports ``data/``). `PredictionWriter`
 writes each prediction as ``<output_dir>/<id>_<speaker>.wav`` (24 kHz, 16-bit) with the text beside it in a ``.txt``.
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 
 from tts_lightning.files import atomic_write, atomic_write_wav
 from tts_lightning.model.generation import PredictBatch
+from tts_lightning.model.layouts import SequenceLayout, VoiceReference
 
 BATCH_KEYS = ("text", "speaker", "language", "id", "padding")  # the item keys `collate_texts` reads
 
@@ -71,6 +73,8 @@ class TextsDataset(Dataset):
         ids: one id per text (default its zero-padded position); file names are ``<id>_<speaker>``.
         num_replicas, rank: shard for distributed prediction; every rank gets ``ceil(n / replicas)``
             items, padded with repeats marked ``padding=True``.
+        layout, references: the run's layout and, for ``icl``, each speaker's reference
+            (`tts_lightning.data.references.generation_layout`); items then carry them.
     """
 
     def __init__(
@@ -82,6 +86,8 @@ class TextsDataset(Dataset):
         ids: Sequence[str] | None = None,
         num_replicas: int = 1,
         rank: int = 0,
+        layout: SequenceLayout | None = None,
+        references: Mapping[str, VoiceReference] | None = None,
     ) -> None:
         texts, speakers = list(texts), list(speakers)
         if not texts or not speakers:
@@ -103,6 +109,10 @@ class TextsDataset(Dataset):
             for text, id_ in zip(texts, ids)
             for speaker in speakers
         ]
+        for item in items if layout is not None else []:
+            item["layout"] = layout
+            if references:
+                item["reference"] = references[str(item["speaker"])]
         per_rank = math.ceil(len(items) / num_replicas)
         self.items = [
             dict(items[i % len(items)], padding=i >= len(items))
@@ -123,13 +133,17 @@ def collate_texts(items: Sequence[Mapping[str, Any]]) -> PredictBatch:
     def column(key: str) -> list[Any] | None:
         return [item[key] for item in items] if all(key in item for item in items) else None
 
-    return PredictBatch.build(
+    batch = PredictBatch.build(
         [item["text"] for item in items],
         [item["speaker"] for item in items],
         languages=column("language"),
         ids=column("id"),
         padding=column("padding"),
     )
+    if items and "layout" in items[0]:  # the run's layout (one per run), references for icl
+        layout = items[0]["layout"]
+        batch.layout, batch.streaming, batch.references = layout.layout, layout.streaming, column("reference")
+    return batch
 
 
 _UNSAFE = re.compile(r"[^\w.\-]+")

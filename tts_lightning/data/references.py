@@ -2,8 +2,9 @@
 
 Chosen once per clip from a seeded generator keyed by the seed and the clip's audio path, so the
 choice is the same on every rank, every epoch and every resume, and does not move when other
-clips are added. Only training clips serve as references (a validation clip never enters a
-training prompt); their codes are those prepare already cached.
+clips are added. Sampling and ``predict`` in the ICL layout speak each speaker with the reference of
+its first training clip (`speaker_references`): one the run trained with. Only training clips serve
+as references (a validation clip never enters a training prompt); their codes are those prepare already cached.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from pathlib import Path
 
 from tts_lightning.data.prepared_index import PreparedClip
 from tts_lightning.errors import ConfigError
-from tts_lightning.model.layouts import Reference, reference_text_ids
+from tts_lightning.model.layouts import (
+    Reference,
+    SequenceLayout,
+    VoiceReference,
+    reference_prompt_ids,
+    reference_text_ids,
+)
 
 
 def choose_references(clips: list[PreparedClip], seed: int) -> list[int]:
@@ -40,3 +47,38 @@ def references(clips: list[PreparedClip], cache_dir: Path, tokenizer, seed: int)
     chosen = choose_references(clips, seed)
     texts = reference_text_ids(tokenizer, [c.text for c in clips])
     return [Reference(texts[j], cache_dir / clips[j].codes, clips[j].frames, key=clips[j].audio) for j in chosen]
+
+
+def speaker_references(
+    clips: list[PreparedClip], cache_dir: Path, seed: int, speakers: list[str]
+) -> dict[str, VoiceReference]:
+    """Per speaker, what generation in the ICL layout clones from: the reference clip the data module
+    chose for the speaker's first training clip (transcript, cached codes)."""
+    from tts_lightning.data.codec_cache import load_codes
+
+    chosen = choose_references(clips, seed)
+    out: dict[str, VoiceReference] = {}
+    for i, c in enumerate(clips):
+        if c.split == "train" and c.speaker in speakers and c.speaker not in out:
+            ref = clips[chosen[i]]
+            out[c.speaker] = VoiceReference(ref.text, load_codes(cache_dir / ref.codes))
+    missing = sorted(set(speakers) - set(out))
+    if missing:
+        raise ConfigError(f"data.layout 'icl': speaker(s) {missing} have no training clip to take a reference from")
+    return out
+
+
+def generation_layout(datamodule, speakers: list[str]) -> tuple[SequenceLayout, dict[str, VoiceReference]]:
+    """The layout a run's data module trains (default x-vector non-streaming without one) and, for
+    ``icl``, each speaker's `speaker_references`: what sampling and ``predict`` generate with."""
+    layout = getattr(datamodule, "layout", None) or SequenceLayout()
+    if not layout.needs_reference:
+        return layout, {}
+    return layout, speaker_references(datamodule.prepared_index.clips, datamodule.cache_dir, datamodule.seed, speakers)
+
+
+def generation_prompts(datamodule, speakers: list[str], tokenizer) -> tuple[SequenceLayout, dict[str, tuple]]:
+    """`generation_layout` with each reference as ``generate`` takes it: (the transcript's template
+    ids, `reference_prompt_ids`; the codes)."""
+    layout, refs = generation_layout(datamodule, speakers)
+    return layout, {s: (reference_prompt_ids(tokenizer, r.text), r.codes) for s, r in refs.items()}

@@ -1,8 +1,10 @@
 """Speak with the model being trained, through the official `Qwen3TTSForConditionalGeneration.generate`.
 
-The speaker goes in as an x-vector voice-clone prompt (the raw speaker embedding in the speaker slot)
-in **non-streaming** mode: exactly the layout training uses (see `tts_lightning.model.sequence`).
-``generate_voice_clone`` defaults to streaming, a different layout, so it is not used here.
+The speaker goes in as a voice-clone prompt (the raw speaker embedding in the speaker slot) in the
+layout the run trained (`tts_lightning.model.layouts.SequenceLayout`, default x-vector non-streaming):
+`voice_clone_inputs` maps it to ``generate``'s arguments as ``generate_voice_clone`` builds them
+(``icl``: the reference codes and transcript, ``x_vector_only_mode=False``; streaming:
+``non_streaming_mode=False``).
 
 Two traps are handled here rather than at every call site:
 
@@ -24,6 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tts_lightning.model.layouts import SequenceLayout, VoiceReference
+
+DEFAULT_LAYOUT = SequenceLayout()
+
 SAMPLE_RATE = 24_000
 
 
@@ -41,6 +47,13 @@ class PredictBatch:
     languages: list[str]
     ids: list[str]
     padding: list[bool]
+    layout: str = "xvector"  # the run's `SequenceLayout`, as plain fields (Lightning rebuilds batches)
+    streaming: bool = False
+    references: list[VoiceReference] | None = None  # per row, for ``icl``
+
+    @property
+    def sequence_layout(self) -> SequenceLayout:
+        return SequenceLayout(self.layout, self.streaming)
 
     def __post_init__(self) -> None:
         n = len(self.texts)
@@ -125,6 +138,29 @@ def _seeded(seed: int | None, device: torch.device):
         yield
 
 
+def voice_clone_inputs(
+    layout: SequenceLayout,
+    embeddings: list[Tensor],
+    references: Sequence[tuple[Sequence[int], Tensor]] | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """``generate``'s ``voice_clone_prompt``, ``ref_ids`` and ``non_streaming_mode`` for ``layout``, as
+    ``generate_voice_clone`` builds them. ``references``: per row (the reference transcript's full
+    template ids, `layouts.reference_prompt_ids`; its codes (R, G)), needed by ``icl`` only."""
+    B, icl = len(embeddings), layout.needs_reference
+    if icl and (references is None or len(references) != B):
+        raise ValueError(f"the icl layout needs one reference per row ({B} rows)")
+    refs = list(references or []) if icl else []
+    prompt = {
+        "ref_spk_embedding": embeddings,
+        "x_vector_only_mode": [not icl] * B,
+        "icl_mode": [icl] * B,
+        "ref_code": [torch.as_tensor(c, dtype=torch.long).to(device) for _, c in refs] if icl else None,
+    }
+    ref_ids = [torch.tensor([list(ids)], dtype=torch.long, device=device) for ids, _ in refs] if icl else None
+    return {"voice_clone_prompt": prompt, "ref_ids": ref_ids, "non_streaming_mode": not layout.streaming}
+
+
 def generate_codes(
     model: nn.Module,
     text_ids: Sequence[Sequence[int]],
@@ -135,6 +171,8 @@ def generate_codes(
     do_sample: bool = True,
     seed: int | None = None,
     dtype: torch.dtype | None = None,
+    layout: SequenceLayout = DEFAULT_LAYOUT,
+    references: Sequence[tuple[Sequence[int], Tensor]] | None = None,
     **generate_kwargs: Any,
 ) -> list[Tensor]:
     """One LongTensor (T, G) of codec frames per row, stopped at ``codec_eos``.
@@ -150,6 +188,7 @@ def generate_codes(
         seed: seeds sampling for this call only; the caller's RNG state is restored afterwards.
         dtype: the dtype the weights compute in; default `compute_dtype(model)`. Pass the weights'
             own dtype when FSDP's forward is bypassed (full-precision ``summon_full_params``).
+        layout: the run's sequence layout; ``references`` per row for ``icl`` (`voice_clone_inputs`).
         generate_kwargs: passed to ``model.generate`` (top_k, temperature, subtalker_*,
             repetition_penalty, ...).
     """
@@ -166,12 +205,8 @@ def generate_codes(
     device = weight.device
     dtype = compute_dtype(model) if dtype is None else dtype
     input_ids = [torch.tensor([list(ids)], dtype=torch.long, device=device) for ids in text_ids]
-    prompt = {
-        "ref_spk_embedding": [e.detach().to(device=device, dtype=dtype) for e in speaker_embeddings],
-        "x_vector_only_mode": [True] * B,
-        "icl_mode": [False] * B,
-        "ref_code": None,
-    }
+    embeddings = [e.detach().to(device=device, dtype=dtype) for e in speaker_embeddings]
+    inputs = voice_clone_inputs(layout, embeddings, references, device)
     # The official code casts the embedding to `talker.dtype`; where that is not the dtype the
     # weights compute in, autocast brings every input back to the weights' dtype.
     mixed = dtype != talker.dtype and dtype in (torch.bfloat16, torch.float16)
@@ -180,9 +215,8 @@ def generate_codes(
         generate: Any = model.generate
         codes, _ = generate(
             input_ids=input_ids,
-            voice_clone_prompt=prompt,
             languages=list(languages),
-            non_streaming_mode=True,
+            **inputs,
             max_new_tokens=int(max_new_tokens),
             do_sample=do_sample,
             **generate_kwargs,
@@ -190,17 +224,23 @@ def generate_codes(
     return [c.detach().to("cpu", torch.long) for c in codes]
 
 
-def decode_codes(speech_tokenizer, codes_list: Sequence[Tensor]) -> list[np.ndarray]:
+def decode_codes(
+    speech_tokenizer, codes_list: Sequence[Tensor], prefixes: Sequence[Tensor] | None = None
+) -> list[np.ndarray]:
     """Waveforms (float32, 24 kHz) for codes (T, G) with the 12 Hz speech tokenizer; an empty
-    code sequence gives an empty waveform."""
+    code sequence gives an empty waveform. ``prefixes`` (the ICL reference codes, per row) are decoded
+    in front and cut off again, as ``generate_voice_clone`` does."""
     wavs: list[np.ndarray] = [np.zeros(0, dtype=np.float32) for _ in codes_list]
     keep = [i for i, c in enumerate(codes_list) if c.shape[0] > 0]
+    full = [c if prefixes is None else torch.cat([prefixes[i].to(c), c]) for i, c in enumerate(codes_list)]
     if keep:
-        decoded, sr = speech_tokenizer.decode([{"audio_codes": codes_list[i]} for i in keep])
+        decoded, sr = speech_tokenizer.decode([{"audio_codes": full[i]} for i in keep])
         if int(sr) != SAMPLE_RATE:
             raise ValueError(f"speech tokenizer decodes at {sr} Hz, expected {SAMPLE_RATE}")
         for i, wav in zip(keep, decoded):
-            wavs[i] = np.asarray(wav, dtype=np.float32).reshape(-1)
+            wav = np.asarray(wav, dtype=np.float32).reshape(-1)
+            cut = 0 if prefixes is None else int(prefixes[i].shape[0] / max(full[i].shape[0], 1) * wav.shape[0])
+            wavs[i] = wav[cut:]
     return wavs
 
 

@@ -78,6 +78,21 @@ def reference_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n"
 
 
+@dataclass  # not frozen: Lightning rebuilds a batch's dataclasses when it moves them to a device
+class VoiceReference:
+    """A speaker's reference for generating in the ICL layout: its transcript and codes (R, G), what
+    ``create_voice_clone_prompt(..., x_vector_only_mode=False)`` makes of a clip."""
+
+    text: str
+    codes: Tensor
+
+
+def reference_prompt_ids(tokenizer, text: str) -> list[int]:
+    """The reference transcript's full template ids, as ``generate_voice_clone`` passes ``ref_ids``
+    (generate slices ``[3:-2]`` of them, the content `reference_text_ids` trains with)."""
+    return list(tokenizer([reference_text(text)])["input_ids"][0])
+
+
 def reference_text_ids(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
     """The content ids of each reference transcript: its template's ids ``[3:-2]``, as generate slices them."""
     rows = tokenizer([reference_text(t) for t in texts])["input_ids"] if texts else []

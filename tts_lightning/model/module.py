@@ -30,6 +30,7 @@ from tts_lightning.model.generation import (
     generate_codes,
     generation_defaults,
 )
+from tts_lightning.model.layouts import reference_prompt_ids
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
 from tts_lightning.model.loss import LossOutput, codebook_accuracy, compute_loss
@@ -404,14 +405,19 @@ class Qwen3TTSModule(L.LightningModule):
         if self.model is None:
             raise RuntimeError("the model is built by configure_model(); call it (or let the Trainer) first")
         tools = self.predict_tools()
+        layout = batch.sequence_layout  # the run's, as trained
+        refs = batch.references if layout.needs_reference else None
+        prompts = [(reference_prompt_ids(tools.text_tokenizer, r.text), r.codes) for r in refs] if refs else None
         codes = generate_codes(
             self.model,
             [tokenize_text(tools.text_tokenizer, t) for t in batch.texts],
             embeddings,
             batch.languages,
+            layout=layout,
+            references=prompts,
             **tools.generation,
         )
-        audio = decode_codes(tools.speech_tokenizer, codes)
+        audio = decode_codes(tools.speech_tokenizer, codes, [c for _, c in prompts] if prompts else None)
         return [
             {
                 "id": batch.ids[i],

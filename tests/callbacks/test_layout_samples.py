@@ -1,0 +1,117 @@
+"""A run trained in the ICL layout (streaming or not) is sampled, and predicts, in that layout: the
+samples callback's audio and ``predict``'s codes are those the official ``generate_voice_clone``
+gives on the same weights for the speaker's training reference (codes and transcript), seed and text."""
+
+import io
+
+import lightning as L
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from test_samples import read_events
+
+from tts_lightning import Qwen3TTSModule
+from tts_lightning.callbacks import SpeakerSamplesCallback
+from tts_lightning.data.codec_cache import load_codes
+from tts_lightning.metrics.speech import max_new_tokens_for
+
+TEXTS = ["Good morning, how are you today?"]
+
+
+def official_model(tiny_dir, module):
+    """The official ``Qwen3TTSModel`` (tokenizers, sampling settings) holding the module's weights."""
+    from qwen_tts import Qwen3TTSModel
+
+    official = Qwen3TTSModel.from_pretrained(str(tiny_dir))
+    official.model.load_state_dict(module.model.state_dict())
+    official.model.eval()
+    return official
+
+
+def official_clone(official, prompts, texts, languages, streaming, seed, **kwargs):
+    """``generate_voice_clone``'s audio, with the talker codes it generated."""
+    from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
+
+    generated = []
+    generate = official.model.generate
+
+    def recording(*args, **kw):  # the official generate itself, its codes kept for the comparison
+        out = generate(*args, **kw)
+        generated.extend(c.cpu() for c in out[0])
+        return out
+
+    official.model.generate = recording
+    items = [
+        VoiceClonePromptItem(ref_code=c, ref_spk_embedding=e, x_vector_only_mode=False, icl_mode=True, ref_text=t)
+        for t, c, e in prompts
+    ]
+    torch.manual_seed(seed)
+    try:
+        wavs, _ = official.generate_voice_clone(
+            text=texts, language=languages, voice_clone_prompt=items, non_streaming_mode=not streaming, **kwargs
+        )
+    finally:
+        official.model.generate = generate
+    return wavs, generated
+
+
+def training_reference(data, speaker):
+    """The reference the data module gave the speaker's first training clip: (transcript, codes)."""
+    index = data.speaker_names.index(speaker)
+    item = next(it for it in data.train_dataset.items if it.speaker_index == index)
+    clip = next(c for c in data.prepared_index.clips if c.audio == item.reference.key)
+    return clip.text, load_codes(item.reference.codes)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["non_streaming", "streaming"])
+def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_dir, make_datamodule, tmp_path):
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    data = make_datamodule(layout="icl", streaming=streaming, max_frames_per_batch=700, predict_texts=TEXTS)
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+    samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=6, seed=3, similarity=False, baseline=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[samples],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    acc = read_events(tmp_path / "tb")
+
+    speakers = data.speaker_names
+    table = data.speaker_embeddings()
+    embeddings = [module.speaker_embeddings[i] if module.speaker_embeddings[i].any() else table[i] for i in range(2)]
+    prompts = [(*training_reference(data, s), embeddings[i].float()) for i, s in enumerate(speakers)]
+    languages = [samples.facts.language_of(trainer, s) for s in speakers]
+    limit = max(samples.facts.frame_limit(trainer, s, TEXTS[0]) for s in speakers)
+    official = official_model(tiny_dir, module)
+    wavs, codes = official_clone(
+        official, prompts, TEXTS * 2, languages, streaming, 3, max_new_tokens=max_new_tokens_for(limit)
+    )
+    assert all(0 < c.shape[0] <= limit for c in codes)
+    for speaker, wav in zip(speakers, wavs):  # the logged sample is the official clone of the same codes
+        (event,) = acc.Audio(f"samples/{speaker}/0")
+        logged, sr = sf.read(io.BytesIO(event.encoded_audio_string), dtype="float32")
+        assert sr == 24_000 and logged.shape == wav.shape
+        np.testing.assert_allclose(logged, np.clip(wav, -1, 1), atol=2 / 32768)
+
+    # predict: the same layout and references, with the pretrained directory's sampling settings.
+    (batch,) = data.predict_dataloader()  # the run's layout and each speaker's reference, per row
+    assert (batch.layout, batch.streaming) == ("icl", streaming)
+    module.predict_tools()  # loads the tokenizers (their random init draws from the RNG)
+    torch.manual_seed(5)
+    predictions = module.eval().predict_step(batch, 0)
+    _, expected = official_clone(official, prompts, TEXTS * 2, languages, streaming, 5)
+    assert [p["speaker"] for p in predictions] == speakers
+    for prediction, want in zip(predictions, expected):
+        assert torch.equal(prediction["codes"], want)
