@@ -65,6 +65,7 @@ def training_reference(data, speaker):
     return clip.text, load_codes(item.reference.codes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True], ids=["non_streaming", "streaming"])
 def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_dir, make_datamodule, tmp_path):
     torch.set_num_threads(1)

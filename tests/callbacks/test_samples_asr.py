@@ -16,6 +16,7 @@ from tts_lightning.evaluation.asr import error_rates
 TEXT = "Good morning."
 
 
+@pytest.mark.slow
 def test_samples_log_cer_and_wer_from_pocketsphinx(tiny_dir, make_datamodule, tmp_path):
     L.seed_everything(0)
     data = make_datamodule()
