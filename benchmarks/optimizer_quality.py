@@ -10,13 +10,15 @@ that every run validates on the same clips whatever its seed. Printed per option
 final validation loss (``val/loss`` at step 60, from the run's TensorBoard file) beside the fp32
 AdamW runs' range and mean +- sd, and its mean step time after ``--warmup`` steps (rank 0, from
 the start of a training batch to its end: forward, backward, optimizer step; validation apart) over
-the mean step time of the fp32 AdamW runs just before and after it. The runs are interleaved
+the mean step time of the fp32 AdamW runs just before and after it, in wall time and in CPU time
+of the rank's process (steadier on a shared machine). The runs are interleaved
 (adamw, an option, adamw, the next option, ...) so that each ratio compares runs close in time on a
 shared machine; the first step (allocations; on GPUs torchao's per-shape compile, none on the CPU,
 where the update runs eagerly) is reported apart.
 
     PYTHONPATH=. python benchmarks/optimizer_quality.py                 # 9 fits, ~20-30 min on 2 cores
     PYTHONPATH=. python benchmarks/optimizer_quality.py --seeds 5 --option-seeds 2
+    PYTHONPATH=. python benchmarks/optimizer_quality.py --seeds 3 --steps 20   # step times only (7 fits)
 """
 
 from __future__ import annotations
@@ -40,18 +42,22 @@ except ImportError:  # the parent process needs no Lightning
 
 
 class StepTimes(Callback):  # type: ignore[misc, valid-type]
-    """Each training step's wall time on this rank (batch start to batch end: forward, backward,
-    optimizer step), written to ``<default_root_dir>/step-times-rank<r>.json`` at the end."""
+    """Each training step's wall time and CPU time of this rank's process (batch start to batch end:
+    forward, backward, optimizer step), written to ``<default_root_dir>/step-times-rank<r>.json``.
+    CPU time is the work done whatever else runs on the machine (one thread per rank); wall time
+    also counts the waits for the other rank and for the cores."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.times = [*getattr(self, "times", []), time.perf_counter() - self.t0]
+        wall, cpu = getattr(self, "times", ([], []))
+        self.times = [*wall, time.perf_counter() - self.t0[0]], [*cpu, time.process_time() - self.t0[1]]
 
     def on_train_end(self, trainer, pl_module) -> None:
+        wall, cpu = getattr(self, "times", ([], []))
         out = Path(trainer.default_root_dir) / f"step-times-rank{trainer.global_rank}.json"
-        out.write_text(json.dumps(getattr(self, "times", [])))
+        out.write_text(json.dumps({"wall": wall, "cpu": cpu}))
 
 
 def parse() -> argparse.Namespace:
@@ -136,11 +142,14 @@ def fit(args: argparse.Namespace, option: str, seed: int, manifests: tuple[Path,
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
         raise SystemExit(f"{option} seed {seed} failed (exit {done.returncode})")
     times = json.loads((run / "step-times-rank0.json").read_text())
+    cpu = times["cpu"][args.warmup :]
+    times = times["wall"]
     steady = times[args.warmup :]
     val = _scalars(run)["val/loss"]
     print(
         f"  {option:18} seed {seed}: val/loss {val[-1][1]:.4f} at step {val[-1][0] + 1}, step "
-        f"{statistics.mean(steady) * 1000:.0f} ms (first {times[0] * 1000:.0f} ms), {wall:.0f} s",
+        f"{statistics.mean(steady) * 1000:.0f} ms, CPU {statistics.mean(cpu) * 1000:.0f} ms (first "
+        f"{times[0] * 1000:.0f} ms), {wall:.0f} s",
         flush=True,
     )
     return {
@@ -150,6 +159,7 @@ def fit(args: argparse.Namespace, option: str, seed: int, manifests: tuple[Path,
         "val_losses": val,
         "step_s": statistics.mean(steady),
         "step_median_s": statistics.median(steady),
+        "step_cpu_s": statistics.mean(cpu),
         "first_step_s": times[0],
         "steps": len(times),
         "wall_s": wall,
@@ -191,18 +201,20 @@ def report(runs: list[dict]) -> dict:
     print(
         f"\nfp32 AdamW over {len(base)} seeds: val/loss {lo:.4f}-{hi:.4f}, mean {mean:.4f} +- {sd:.4f} (sd)\n"
         f"{'option':20}{'seed':>5}{'val/loss':>10}{'in range':>10}{'(v-mean)/sd':>13}{'step/adamw':>12}"
-        f"{'step ms':>9}{'first ms':>10}"
+        f"{'CPU/adamw':>11}{'step ms':>9}{'CPU ms':>8}{'first ms':>10}"
     )
     rows = []
     for i, r in enumerate(runs):
         ref = neighbours(runs, i) if r["option"] != "adamw" else [r]
         ratio = r["step_s"] / statistics.mean(n["step_s"] for n in ref)
+        cpu_ratio = r["step_cpu_s"] / statistics.mean(n["step_cpu_s"] for n in ref)
         z = (r["val_loss"] - mean) / sd if sd else 0.0
         inside = lo <= r["val_loss"] <= hi
-        rows.append({**r, "step_ratio": ratio, "in_range": inside, "z": z})
+        rows.append({**r, "step_ratio": ratio, "step_cpu_ratio": cpu_ratio, "in_range": inside, "z": z})
         print(
             f"{r['option']:20}{r['seed']:>5}{r['val_loss']:10.4f}{'yes' if inside else 'NO':>10}{z:13.2f}"
-            f"{ratio:12.3f}{r['step_s'] * 1000:9.0f}{r['first_step_s'] * 1000:10.0f}"
+            f"{ratio:12.3f}{cpu_ratio:11.3f}{r['step_s'] * 1000:9.0f}{r['step_cpu_s'] * 1000:8.0f}"
+            f"{r['first_step_s'] * 1000:10.0f}"
         )
     return {"adamw_val_loss": {"min": lo, "max": hi, "mean": mean, "sd": sd}, "runs": rows}
 
