@@ -129,6 +129,12 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
             t = t.to_local()
         if not isinstance(t, torch.Tensor):
             return
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            # A wrapper subclass (torchao's quantized moments: codes, block scales, lookup table)
+            # holds no storage of its own: count the tensors inside.
+            for name in t.__tensor_flatten__()[0]:
+                add(kind, getattr(t, name))
+            return
         st = t.untyped_storage()
         if st.nbytes() == 0 or st.data_ptr() in seen:
             return

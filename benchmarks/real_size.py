@@ -63,6 +63,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--strategy", default="fsdp1", choices=("fsdp1", "fsdp2"), help="FSDP1 or FSDP2 (fully_shard)")
     p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="model.optimizer (tts_lightning.model.optimizers); the bf16 ones run at bf16-mixed",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench", help="where the data cache and logs go")
     return p.parse_args()
@@ -114,7 +119,8 @@ def forward_flops(trainer, batch) -> int:
 
 def main() -> int:
     args = parse()
-    precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
+    bf16_weights = args.optimizer.startswith("bf16_sr")
+    precision = args.precision or ("bf16-mixed" if args.device == "cuda" or bf16_weights else "32-true")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     # One node per emulated rank, this process rank 0: Lightning treats the processes as launched
     # externally and finds the (fake) process group already initialized.
@@ -215,7 +221,7 @@ def main() -> int:
         max_frames_per_batch=args.frames,
     )
     data.prepare()
-    module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6)
+    module = Qwen3TTSModule(str(pretrained), speakers=data.speaker_names, learning_rate=1e-6, optimizer=args.optimizer)
     from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 
     strategy_class = Qwen3TTSFSDP2Strategy if args.strategy == "fsdp2" else Qwen3TTSFSDPStrategy
@@ -259,6 +265,8 @@ def main() -> int:
         samples=args.samples,
         sample_rows=2 * 2,
         sample_frames=60,
+        layout=args.strategy,
+        optimizer=args.optimizer,
     )
     held = probe.held
     states = held["parameters"] + held["gradients"] + held["optimizer"]
@@ -281,6 +289,12 @@ def main() -> int:
         "steps": len(probe.step_seconds),
         "model_states": states,
         "planned_model_states": plan.model_states,
+        "optimizer": args.optimizer,
+        "planned_held": {
+            "parameters": plan.parameters,
+            "gradients": plan.gradients,
+            "optimizer": plan.optimizer_states,
+        },
         "peak": peak,
         "planned_peak": plan_peak,
         "step_s": step_s,
@@ -309,6 +323,9 @@ def main() -> int:
         f"{'model states (params+grads+AdamW)':34}{states / GiB:14.2f}{plan.model_states / GiB:13.2f}"
         f"{states / plan.model_states:11.3f}"
     )
+    for part, planned in figures["planned_held"].items():
+        label = f"  {part} ({args.optimizer})"
+        print(f"{label:34}{held[part] / GiB:14.3f}{planned / GiB:13.3f}{held[part] / max(planned, 1):11.3f}")
     label = "peak, CUDA tensors" if cuda else "peak, RSS over pre-model level"
     print(f"{label:34}{peak / GiB:14.2f}{plan_peak / GiB:13.2f}{peak / plan_peak:11.3f}")
     if not cuda:

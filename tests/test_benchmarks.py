@@ -10,17 +10,22 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
-def test_real_size_emulates_one_rank_of_four(strategy, tiny_dir, tmp_path, run_script):
+# FSDP2 with the leanest optimizer (bf16 weights, 8-bit moments: torchao's quantized state counted
+# by benchmarks/optimizer_state_bytes.py), FSDP1 with the default: no run added for the optimizer.
+@pytest.mark.parametrize(("strategy", "optimizer"), [("fsdp1", "adamw"), ("fsdp2", "bf16_sr_adamw8bit")])
+def test_real_size_emulates_one_rank_of_four(strategy, optimizer, tiny_dir, tmp_path, run_script):
     """benchmarks/real_size.py: rank 0 of 4 under torch's fake process group, through data setup
-    (whose agreement between ranks the fake group cannot carry) and training; its model states are
-    the planner's, byte for byte, for the tiny model too."""
+    (whose agreement between ranks the fake group cannot carry) and training; its weights,
+    gradients and optimizer state are the planner's, byte for byte, for the tiny model too."""
     out = tmp_path / "figures.json"
     args = ["--pretrained", tiny_dir, "--world", 4, "--strategy", strategy, "--steps", 2, "--frames", 150]
+    args += ["--optimizer", optimizer]
     run_script(REPO / "benchmarks" / "real_size.py", *args, "--out", out, "--work", tmp_path, timeout=300, cwd=tmp_path)
     figures = json.loads(out.read_text())
     assert figures["world"] == 4 and figures["steps"] == 2 and figures["positions"] > 0
     assert figures["model_states"] == figures["planned_model_states"] > 0
+    assert figures["held"] == figures["planned_held"]
+    assert figures["precision"] == ("bf16-mixed" if optimizer.startswith("bf16") else "32-true")
 
 
 def test_the_gpu_check_imports_what_it_names():

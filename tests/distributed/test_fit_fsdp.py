@@ -105,11 +105,27 @@ def final_weights(run_dir):
     return load_training_checkpoint(newest_last(run_dir))
 
 
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, state_dict_type):
+# bf16 weights with stochastic rounding and 8-bit moments (configs/qwen3-tts-1.7b-1x24gb.yaml's
+# optimizer): its rank-local quantized state and its seeded rounding must survive a kill too.
+LEAN = "bf16_sr_adamw8bit"
+LEAN_ARGS = ("--model.optimizer", LEAN, "--trainer.precision", "bf16-mixed")
+
+
+@pytest.fixture(scope="module")
+def lean_uninterrupted(workdir, tiny_dir, cli):
+    """The resume test's uninterrupted run under `LEAN` (sharded checkpoints at steps 4 and 8)."""
+    steps = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY)
+    cli(*fit_args(TINY_CPU, workdir, tiny_dir, "uninterrupted-lean", *steps, *LEAN_ARGS), cwd=workdir)
+    return workdir / "uninterrupted-lean"
+
+
+@pytest.mark.parametrize(("state_dict_type", "optimizer"), [("sharded", "adamw"), ("full", "adamw"), ("sharded", LEAN)])
+def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dict_type, optimizer, request):
     """A run killed mid-epoch at step 6 (last checkpoint at step 4) and resumed with
     `--ckpt_path last` ends with the weights of a run that was never interrupted (`fitted`, the
-    same training with sharded checkpoints: the file format does not change the training)."""
+    same training with sharded checkpoints: the file format does not change the training). With
+    bf16 weights, stochastic rounding and 8-bit moments: bit for bit, against its own uninterrupted run."""
+    lean = optimizer == LEAN
     common = (
         "--trainer.max_steps",
         STEPS,
@@ -117,8 +133,9 @@ def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, s
         EVERY,
         "--trainer.strategy.init_args.state_dict_type",
         state_dict_type,
+        *(LEAN_ARGS if lean else ()),
     )
-    resumed_dir = f"resumed-{state_dict_type}"
+    resumed_dir = f"resumed-{state_dict_type}-{optimizer}"
     crash = f'{{"class_path": "crash_callbacks.CrashAt", "init_args": {{"step": {CRASH}}}}}'
     crashed = cli(
         *fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"),
@@ -131,15 +148,22 @@ def test_resume_from_last_equals_uninterrupted(fitted, workdir, tiny_dir, cli, s
     assert saved.path.is_dir() == (state_dict_type == "sharded")
     resumed_run = cli(*fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed_run.stdout + resumed_run.stderr
-    straight, resumed = final_weights(fitted[0]), final_weights(workdir / resumed_dir)
+    straight_dir = request.getfixturevalue("lean_uninterrupted" if lean else "fitted")
+    straight_dir = straight_dir if lean else straight_dir[0]
+    straight, resumed = final_weights(straight_dir), final_weights(workdir / resumed_dir)
     assert straight.path.is_dir() and resumed.path.is_dir() == (state_dict_type == "sharded")
     assert straight.global_step == resumed.global_step == STEPS
     assert straight.state_dict.keys() == resumed.state_dict.keys()
     assert any(k.startswith("model.speaker_encoder.") for k in resumed.state_dict)  # kept for resume
     for key, value in straight.state_dict.items():
-        torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
-    # The weights must have moved, or the comparison proves nothing.
-    assert not torch.equal(straight.state_dict["model.talker.codec_head.weight"], _pretrained_codec_head(tiny_dir))
+        if lean:
+            assert torch.equal(resumed.state_dict[key], value), key
+        else:
+            torch.testing.assert_close(resumed.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+    # The weights must have moved (in bf16 with the lean optimizer), or the comparison proves nothing.
+    head = straight.state_dict["model.talker.codec_head.weight"]
+    assert head.dtype == (torch.bfloat16 if lean else torch.float32)
+    assert not torch.equal(head, _pretrained_codec_head(tiny_dir).to(head.dtype))
 
 
 def _pretrained_codec_head(tiny_dir):
