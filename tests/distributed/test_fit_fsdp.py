@@ -14,6 +14,7 @@ from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, data_args, fit
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS as TEXT_BLOCKS
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -71,6 +72,10 @@ def test_fit_trains_with_two_fsdp_ranks(fitted):
     checkpoints = list(run_dir.rglob("*.ckpt"))
     assert any(c.name == "last.ckpt" for c in checkpoints)
     assert (next(run_dir.rglob("config.yaml"))).is_file()  # the run describes itself
+    # each row block of the text embedding is an FSDP unit of its own (fsdp2_callbacks.RecordSteps)
+    units = json.loads((run_dir / "units-rank0.json").read_text())
+    text = "model.talker.model.text_embedding"
+    assert [u for u in units if u.startswith(text)] == [f"{text}.blocks.{i}" for i in range(TEXT_BLOCKS)]
 
 
 def test_seeded_run_matches_the_golden_losses(fitted):

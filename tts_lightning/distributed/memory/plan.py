@@ -186,7 +186,14 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
     from tts_lightning.model.lora import LoRASettings
 
     adapter = LoRASettings.coerce(settings.adapter)
-    shape = model_shape(config, settings.auto_wrap_policy, adapter, layout=settings.layout, groups=settings.groups)
+    shape = model_shape(
+        config,
+        settings.auto_wrap_policy,
+        adapter,
+        layout=settings.layout,
+        groups=settings.groups,
+        text_embedding_blocks=settings.text_embedding_blocks,
+    )
     notes: list[str] = []
     effective = settings.sharding
     if settings.gpus == 1 and settings.sharding != "NO_SHARD" and not settings.fsdp2:
