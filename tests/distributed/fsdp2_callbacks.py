@@ -71,3 +71,13 @@ class RecordSteps(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"steps-rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+        (self.out / f"units-rank{trainer.global_rank}.json").write_text(json.dumps(_units(trainer.strategy.model)))
+
+
+def _units(root) -> list[str]:
+    """The names (wrapper prefixes removed) of the FSDP units of either strategy."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    names = [n for n, m in root.named_modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
+    return [clean_tensor_name(n).removesuffix("._fsdp_wrapped_module") for n in names]

@@ -28,8 +28,11 @@ class CheckFrozen(Callback):
         from tts_lightning.model.loading import WeightReader
         from tts_lightning.model.lora import checkpoint_key, is_adapter_key
         from tts_lightning.model.pretrained import check_pretrained
+        from tts_lightning.model.row_blocks import row_slices
 
         reader = WeightReader(check_pretrained(pl_module.hparams.pretrained))
+        # the text embedding's row blocks are row slices of the pretrained tensor
+        slices = {clean_tensor_name(k): v for k, v in row_slices(pl_module.model).items()}
         checked = moved = 0
         root = trainer.strategy.model
         full = (  # FSDP1: flat shards, gathered here; FSDP2: DTensors, gathered one by one below
@@ -44,7 +47,8 @@ class CheckFrozen(Callback):
                 if is_adapter_key(name):
                     moved += int(".lora_B." in name and bool(value.abs().sum() > 0))
                     continue
-                expected = reader.read(checkpoint_key(name)).to(value.dtype)
+                whole, start, stop = slices.get(name, (name, 0, None))
+                expected = reader.read(checkpoint_key(whole))[start:stop].to(value.dtype)
                 assert torch.equal(value.detach().cpu(), expected), name
                 checked += 1
         assert checked and moved and self.backwards

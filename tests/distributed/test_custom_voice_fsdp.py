@@ -173,12 +173,14 @@ def test_fsdp2_layout_of_a_model_without_speaker_encoder(tiny_custom_voice_dir):
     from tts_lightning.distributed.fsdp import import_classes
     from tts_lightning.distributed.fsdp2 import DEFAULT_GROUPS, DEFAULT_LAYERS, apply_fully_shard
     from tts_lightning.model.loading import build_model
+    from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
     layers = tuple(import_classes(list(DEFAULT_LAYERS)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         model = build_model(check_pretrained(tiny_custom_voice_dir), load_weights=False)
+        split_text_embedding(model, DEFAULT_TEXT_EMBEDDING_BLOCKS)  # as Qwen3TTSModule.configure_model
         apply_fully_shard(model, model, layer_classes=layers, groups=DEFAULT_GROUPS, mesh=mesh)
         assert isinstance(model.talker.model.codec_embedding, FSDPModule) and model.speaker_encoder is None
         names = {n for n, _ in model.named_parameters()}

@@ -8,6 +8,7 @@ from tiny_runs import newest_last
 
 from tts_lightning.model.checkpoint import CheckpointError, load_training_checkpoint
 from tts_lightning.model.export import ExportError, export_custom_voice
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +50,16 @@ def test_round_trip(checkpoints, source, dtype):
         assert spk_id[name] >= 3000 - 3072 + table.shape[0]  # the 3000, 3001, ... block
         torch.testing.assert_close(table[spk_id[name]], embeddings[i].to(torch_dtype), atol=0, rtol=0)
     weights = checkpoint.model_state_dict()
+    # the run's text embedding is stored as row blocks (tts_lightning.model.row_blocks), exported as
+    # the official tensor (compared with the joined blocks below)
+    if source == "sharded":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+        blocks = [k for k in stored if k.startswith("model.") and ".text_embedding.blocks." in k]
+        assert len(blocks) == DEFAULT_TEXT_EMBEDDING_BLOCKS
+    assert exported["talker.model.text_embedding.weight"].shape[0] == model.model.config.talker_config.text_vocab_size
+    assert not any(".blocks." in k for k in exported if "text_embedding" in k)
     assert not any(k.startswith("speaker_encoder.") for k in exported)
     assert set(exported) == {k for k in weights if not k.startswith("speaker_encoder.")}
     rows = torch.ones(table.shape[0], dtype=torch.bool)

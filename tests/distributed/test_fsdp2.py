@@ -13,6 +13,7 @@ from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU_FSDP2, data_arg
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS as TEXT_BLOCKS
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -69,6 +70,10 @@ def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
         assert 0.45 < int(local.replace(",", "")) / int(total.replace(",", "")) < 0.55
     # frozen parameters have no gradient, gradients are DTensor shards, buffers are right (RecordSteps)
     assert len(re.findall(r"\[fsdp2-check\] rank \d: frozen without grads, buffers ok", output)) == 2
+    # each row block of the text embedding is a fully_shard unit of its own (RecordSteps)
+    units = json.loads((run_dir / "units-rank0.json").read_text())
+    text = "model.talker.model.text_embedding"
+    assert [u for u in units if u.startswith(text)] == [f"{text}.blocks.{i}" for i in range(TEXT_BLOCKS)]
     for rank in (0, 1):
         ref, new = steps(fsdp1_run, rank), steps(run_dir, rank)
         assert [s["step"] for s in new] == [s["step"] for s in ref] == list(range(1, STEPS + 1))

@@ -20,6 +20,7 @@ from tts_lightning.distributed.memory import (
 from tts_lightning.distributed.plan_cli import plan_command
 from tts_lightning.model.loading import build_model
 from tts_lightning.model.pretrained import check_pretrained
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
 BASE = dict(
     gpus=4,
@@ -36,7 +37,9 @@ BASE = dict(
 def test_preset_parameter_counts_match_the_shared_doc(preset, expected):
     assert count_parameters(preset) == pytest.approx(expected, rel=0.01)
     units = {u.name: u.numel for u in model_shape(preset).units}
-    assert units[TEXT_EMBEDDING] == pytest.approx(311.2e6, rel=0.001)
+    blocks = [n for name, n in units.items() if name.startswith(f"{TEXT_EMBEDDING}.blocks.")]
+    assert len(blocks) == DEFAULT_TEXT_EMBEDDING_BLOCKS  # the text embedding's row blocks, a unit each
+    assert sum(blocks) == pytest.approx(311.2e6, rel=0.001) and max(blocks) - min(blocks) <= 2048
     assert sum(units.values()) == count_parameters(preset)  # every parameter in exactly one unit
 
 
@@ -64,6 +67,7 @@ def test_units_are_the_units_fsdp_builds(tiny_dir):
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     model = build_model(check_pretrained(tiny_dir), load_weights=False)
+    split_text_embedding(model, DEFAULT_TEXT_EMBEDDING_BLOCKS)  # as Qwen3TTSModule.configure_model
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -98,7 +102,8 @@ def test_1_7b_on_4x16gb_fits_with_full_shard_and_checkpointing():
     plan = plan_memory("1.7b", **BASE)
     assert plan.model_states == pytest.approx(7.7e9, rel=0.01)  # shared doc: 7.7 GB per GPU
     assert plan.fits and plan.headroom > 0 and plan.advice == []
-    assert plan.largest_gathered_unit == 2 * 311_164_928  # text_embedding in bf16
+    # a talker decoder layer in bf16, no longer the text embedding (row blocks of 38.9M parameters)
+    assert plan.largest_gathered_unit == 2 * 50_336_000 and plan.largest_unit_name == "talker.model.layers.0"
     table = plan.table()
     assert "GiB per GPU" in table and "optimizer states" in table and "activations" in table
 

@@ -16,6 +16,7 @@ from tts_lightning.distributed.memory import (
 from tts_lightning.distributed.plan_cli import plan_command
 from tts_lightning.model.loading import build_model
 from tts_lightning.model.pretrained import check_pretrained
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
 BASE = dict(gpus=4, gpu_memory_gb=16, precision="bf16-mixed", micro_batch_frames=2000)
 
@@ -36,6 +37,7 @@ def test_fsdp2_units_are_the_units_fully_shard_builds(tiny_dir):
     assert [list(g) for g in FSDP2_GROUPS] == [list(g) for g in DEFAULT_GROUPS]
     assert not dist.is_initialized()
     model = build_model(check_pretrained(tiny_dir), load_weights=False)
+    split_text_embedding(model, DEFAULT_TEXT_EMBEDDING_BLOCKS)  # as Qwen3TTSModule.configure_model
     names_before = {id(p): n for n, p in model.named_parameters()}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -64,7 +66,8 @@ def test_fsdp2_units_are_the_units_fully_shard_builds(tiny_dir):
     assert {frozenset(n for n, _ in u.params) for u in planned.units} == built
     assert len(planned.units) == len(built)
     kinds = {u.name: u.kind for u in planned.units}
-    assert kinds[TEXT_EMBEDDING] == "embedding" and kinds[""] == "root"
+    assert kinds[""] == "root" and TEXT_EMBEDDING not in kinds
+    assert [kinds[f"{TEXT_EMBEDDING}.blocks.{i}"] for i in range(DEFAULT_TEXT_EMBEDDING_BLOCKS)] == ["embedding"] * 8
     assert [u.gathered_in_training for u in planned.units if u.name == "speaker_encoder"] == [False]
 
 

@@ -3,7 +3,8 @@
 What it changes, and why:
 - Wraps and activation-checkpoints **both** decoder-layer classes (the model's `_no_split_modules`
   names only the code predictor's, which would leave every talker layer in the root unit), and wraps
-  each `nn.Embedding` too, so the 311M-parameter text embedding is not gathered for the whole step.
+  each `nn.Embedding` too, so the 311M-parameter text embedding is not gathered for the whole step
+  (it is held as row blocks, each an `nn.Embedding` unit: `tts_lightning.model.row_blocks`).
 - Types the FSDP options users tune, so LightningCLI accepts them from YAML.
 - bf16-mixed keeps buffers and gradient reduction in fp32: Lightning's default casts the MRoPE
   `inv_freq` buffer to bf16 (1.15 rad of angle error at position 1000).

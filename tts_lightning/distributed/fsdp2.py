@@ -4,11 +4,12 @@ Qwen3-TTS, on top of Lightning's `ModelParallelStrategy`; the alternative to the
 ``class_path: tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy``.
 
 Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the model on meta):
-- one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer
-  (``layer_classes``), each activation-checkpointed (``activation_checkpointing_policy``, composable
-  checkpoint: parameter names do not change);
+- one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer, each
+  activation-checkpointed (``activation_checkpointing_policy``, composable checkpoint: parameter
+  names do not change), and one per row block of the 311M-parameter text embedding
+  (``layer_classes``; `tts_lightning.model.row_blocks`);
 - ``groups``: module-name globs, each list one unit: the codec embeddings (the talker's and the code
-  predictor's, together), the 311M-parameter text embedding alone, the frozen speaker encoder alone
+  predictor's, together), the frozen speaker encoder alone
   (never gathered: unused by the loss, and frozen parameters get no gradient);
 - the LightningModule itself as the root (its ``forward`` runs first each step), holding the rest.
 
@@ -68,11 +69,12 @@ __all__ = ["DEFAULT_GROUPS", "DEFAULT_LAYERS", "Qwen3TTSFSDP2Strategy", "apply_f
 DEFAULT_LAYERS = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer",
+    # each row block of the text embedding (`tts_lightning.model.row_blocks`)
+    "tts_lightning.model.row_blocks.EmbeddingRowBlock",
 )
 # Module names (globs, relative to the Qwen3-TTS model) of the units other than the layers.
 DEFAULT_GROUPS = (
     ("talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding.*"),
-    ("talker.model.text_embedding",),
     ("speaker_encoder",),
 )
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tts_lightning.errors import UserError
+from tts_lightning.model.row_blocks import block_groups, join_blocks, official_layout
 
 MODEL_PREFIX = "model."  # Lightning's FSDP1 sharded layout: {"model": module state, "optimizer_0": ...}
 FSDP2_PREFIX = "state_dict."  # FSDP2's (`Qwen3TTSFSDP2Strategy`): {"state_dict": module state, ...}
@@ -110,6 +111,16 @@ class CheckpointReader:
         self.hyper_parameters: dict[str, Any] = dict(raw.get("hyper_parameters") or {})
         self.datamodule_hyper_parameters: dict[str, Any] = dict(raw.get("datamodule_hyper_parameters") or {})
         self.global_step = int(raw.get("global_step", 0))
+        # The text embedding's row blocks (`tts_lightning.model.row_blocks`) read as one official
+        # tensor: export and loading see the layout of the pretrained weights.
+        self._stored = dict(self._sizes)  # as written: the blocks' keys
+        self._blocks = block_groups(self._sizes)
+        layout = official_layout(self._sizes)
+        for whole, blocks in self._blocks.items():
+            shapes = [self._sizes[k][0] for k in blocks]
+            rows = sum(int(shape[0]) for shape in shapes)
+            self._sizes[whole] = (torch.Size([rows, *shapes[0][1:]]), self._sizes[blocks[0]][1])
+        self._sizes = {k: self._sizes[k] for k in layout}
 
     def tensor_keys(self) -> list[str]:
         return list(self._sizes)
@@ -128,11 +139,23 @@ class CheckpointReader:
         unknown = [k for k in keys if k not in self._sizes]
         if unknown:
             raise CheckpointError(f"{self.path} has no tensor(s) {unknown[:5]}")
+        joined = {k: self._blocks[k] for k in keys if k in self._blocks}
+        if joined:  # each read as its blocks, then joined
+            values = self._read([k for k in keys if k not in joined] + [b for v in joined.values() for b in v], dtype)
+            for whole, blocks in joined.items():
+                values[whole] = join_blocks(values, blocks)
+                for block in blocks:
+                    del values[block]
+            return {k: values[k] for k in keys}
+        return self._read(keys, dtype)
+
+    def _read(self, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         if not self.sharded:
             return {k: self._full[k] if dtype is None else self._full[k].to(dtype) for k in keys}
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        target = {self._prefix + k: torch.empty(self._sizes[k][0], dtype=dtype or self._sizes[k][1]) for k in keys}
+        sizes = self._stored
+        target = {self._prefix + k: torch.empty(sizes[k][0], dtype=dtype or sizes[k][1]) for k in keys}
         try:
             with warnings.catch_warnings():  # no_dist is meant: one process reads
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -55,6 +55,13 @@ class WeightReader:
         with safe_open(str(self.path / self.file_of[key]), framework="pt") as f:
             return f.get_tensor(key)
 
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key``: only their bytes are read."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / self.file_of[key]), framework="pt") as f:
+            return f.get_slice(key)[start:stop]
+
 
 def build_empty_model(info: PretrainedInfo, *, attn_implementation: str = "sdpa") -> nn.Module:
     """`Qwen3TTSForConditionalGeneration` with parameters on the meta device and real buffers."""
@@ -98,8 +105,11 @@ class MetaWeights:
         frozen_dtype: torch.dtype | None = None,
     ):
         from tts_lightning.model.lora import checkpoint_key, is_adapter_key
+        from tts_lightning.model.row_blocks import official_key, row_slices
 
         self.reader = WeightReader(info)
+        # A row block of the text embedding reads its rows of the checkpoint's whole embedding.
+        self.slices = row_slices(model)
         self.dtype = dtype
         self.frozen_dtype = frozen_dtype or dtype  # parameters with requires_grad=False (LoRA's base)
         self.adapter_seed = adapter_seed
@@ -109,7 +119,9 @@ class MetaWeights:
         self.names = {module: name for name, module in model.named_modules()}
         # peft LoRA layers keep the base weight at `<layer>.base_layer.weight`; their adapters are
         # not in the checkpoint and are initialised instead (`tts_lightning.model.lora.init_adapter`).
-        wanted = {checkpoint_key(name) for name, _ in model.named_parameters() if not is_adapter_key(name)}
+        wanted = {
+            checkpoint_key(official_key(name)) for name, _ in model.named_parameters() if not is_adapter_key(name)
+        }
         missing, unexpected = sorted(wanted - self.reader.keys()), sorted(self.reader.keys() - wanted)
         if missing or unexpected:
             raise PretrainedError(
@@ -145,6 +157,12 @@ class MetaWeights:
         if reading:
             if is_adapter_key(key):
                 init_adapter(key, value, self.adapter_seed)
+            elif key in self.slices:
+                whole, start, stop = self.slices[key]
+                value.copy_(self.reader.read_rows(checkpoint_key(whole), start, stop))
+                for row, row_value in self.row_overrides.get(checkpoint_key(whole), {}).items():
+                    if start <= row < stop:
+                        value[row - start] = row_value
             else:
                 value.copy_(self.reader.read(checkpoint_key(key)))
                 for row, row_value in self.row_overrides.get(checkpoint_key(key), {}).items():

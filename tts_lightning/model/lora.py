@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tts_lightning.errors import ConfigError
+from tts_lightning.model.row_blocks import block_groups, join_blocks, official_layout
 
 ADAPTER_NAME = "default"
 BASE_LAYER = ".base_layer."
@@ -206,8 +207,14 @@ class MergedWeights(Mapping):
             if isinstance(s, dict) and ADAPTER_NAME in s and hasattr(module, "base_layer"):
                 self._scaling[clean_tensor_name(name)] = float(s[ADAPTER_NAME])
         self._names = {checkpoint_key(n): n for n in self._params if not is_adapter_key(n)}
+        # The text embedding's row blocks (`tts_lightning.model.row_blocks`) read as the one official
+        # weight, joined when read.
+        self._blocks = block_groups(self._names)
+        self._keys = official_layout(self._names)
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._blocks:
+            return join_blocks({k: self[k] for k in self._blocks[key]}, self._blocks[key])
         name = self._names[key]
         value = self._params[name].detach()
         if name.endswith(".base_layer.weight"):
@@ -218,10 +225,10 @@ class MergedWeights(Mapping):
         return value
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._keys)
 
 
 def merge(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -38,6 +38,7 @@ from tts_lightning.model.optimizers import OptimizerName, build_optimizer, check
 from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, check_blocks, split_text_embedding
 from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, tokenize_text
 
 
@@ -77,6 +78,10 @@ class Qwen3TTSModule(L.LightningModule):
             quantized moments), ``bf16_sr`` (bf16 weights and moments, stochastic rounding) or
             ``bf16_sr_adamw8bit`` (bf16 weights, 8-bit moments): `tts_lightning.model.optimizers`.
             The bf16 ones need ``trainer.precision: bf16-mixed``.
+        text_embedding_blocks: the talker's text embedding is held as this many row blocks, each its
+            own FSDP unit, so that no unit's backward (gathered weight and gradients) is much larger
+            than a decoder layer's; values and gradients are those of one embedding, and export
+            writes the one official tensor (`tts_lightning.model.row_blocks`). 1: one unit.
     """
 
     speaker_embeddings: Tensor  # a buffer (registered in __init__)
@@ -91,6 +96,7 @@ class Qwen3TTSModule(L.LightningModule):
     freeze_patterns: HParam[list[str]] = HParam("freeze")
     attn_implementation: HParam[Literal["sdpa", "eager"]] = HParam()
     optimizer: HParam[OptimizerName] = HParam()
+    text_embedding_blocks: HParam[int] = HParam()
 
     def __init__(
         self,
@@ -105,6 +111,7 @@ class Qwen3TTSModule(L.LightningModule):
         attn_implementation: Literal["sdpa", "eager"] = "sdpa",
         adapter: LoRASettings | None = None,
         optimizer: OptimizerName = "adamw",
+        text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, None)
@@ -122,6 +129,7 @@ class Qwen3TTSModule(L.LightningModule):
         info = check_pretrained(pretrained, require_type=TRAINABLE_TYPES)  # fail before any process spawns
         talker_cfg = info.config["talker_config"]
         self.num_code_groups = int(talker_cfg["num_code_groups"])
+        check_blocks(text_embedding_blocks, int(talker_cfg["text_vocab_size"]))
         self.model: nn.Module | None = None
         self.pending_weights: MetaWeights | None = None  # set by configure_model for the strategy
         self.wrap_trainable_leaves = False  # set by configure_model with an adapter (see there)
@@ -165,6 +173,7 @@ class Qwen3TTSModule(L.LightningModule):
             return
         info = check_pretrained(self.pretrained, require_type=TRAINABLE_TYPES)
         model = build_empty_model(info, attn_implementation=self.attn_implementation)
+        split_text_embedding(model, self.text_embedding_blocks)  # still on meta: no memory
         adapter = self.adapter
         if adapter is not None:
             model = inject_lora(model, adapter)

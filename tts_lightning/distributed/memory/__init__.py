@@ -16,7 +16,7 @@ What is modelled, per GPU (bytes; GiB = 2**30 in the table and for ``gpu_memory_
   whose parameters are all frozen has no gradient; a unit that mixes frozen and trainable
   parameters keeps a gradient for the *whole* flat parameter, frozen part included (e.g. a frozen
   ``talker.text_projection`` in the root unit next to the trainable heads). The default wrap makes
-  the frozen speaker encoder and a frozen ``text_embedding`` units of their own: they cost no
+  the frozen speaker encoder and a frozen ``text_embedding``'s row blocks units of their own: they cost no
   gradient. FSDP's padding of flat parameters to a multiple of the world size is ignored (< N elements
   per unit).
 * **Gathered parameters** (transient, compute dtype: 2 B under bf16-mixed, 4 B under 32-true):
@@ -29,8 +29,9 @@ What is modelled, per GPU (bytes; GiB = 2**30 in the table and for ``gpu_memory_
 * **Activations**: see `_activation_bytes`; the constants were counted on the real layer classes.
 * **Peak** = model states + overhead + the larger of two phases: (a) the start of backward, with all
   activations alive, the root unit and two decoder-layer units gathered; (b) the end of backward,
-  when activations are freed but the largest unit (the 311M-parameter ``text_embedding`` of the
-  released models) is gathered with its unsharded gradient.
+  when activations are freed but the largest unit (a row block of the 311M-parameter
+  ``text_embedding``, 1/``text_embedding_blocks`` of it, or a decoder layer: `tts_lightning.model.row_blocks`)
+  is gathered with its unsharded gradient.
 * **cpu_offload**: sharded parameters, gradients and optimizer states live in host memory (the
   optimizer steps there); the GPU keeps gathered units, unsharded gradients in flight, activations.
 * **Overhead**: a constant 1 GiB for the CUDA context, cuBLAS/cuDNN/NCCL workspaces and caching-

@@ -16,6 +16,7 @@ from typing import Any, Literal, cast
 from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.distributed.memory.plan import MemoryPlan, plan_memory
 from tts_lightning.model.parameters import DEFAULT_FREEZE
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
 __all__ = ["parse_fit_config", "plan_from_config"]
 
@@ -137,6 +138,7 @@ def plan_from_config(
         layout=strategy.layout,
         groups=strategy.groups,
         optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
+        text_embedding_blocks=int(_get(model_cfg, "text_embedding_blocks", DEFAULT_TEXT_EMBEDDING_BLOCKS)),
     )
 
 

@@ -186,7 +186,14 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
     from tts_lightning.model.lora import LoRASettings
 
     adapter = LoRASettings.coerce(settings.adapter)
-    shape = model_shape(config, settings.auto_wrap_policy, adapter, layout=settings.layout, groups=settings.groups)
+    shape = model_shape(
+        config,
+        settings.auto_wrap_policy,
+        adapter,
+        layout=settings.layout,
+        groups=settings.groups,
+        text_embedding_blocks=settings.text_embedding_blocks,
+    )
     notes: list[str] = []
     effective = settings.sharding
     if settings.gpus == 1 and settings.sharding != "NO_SHARD" and not settings.fsdp2:
@@ -400,8 +407,9 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
       `tts_lightning.distributed.lean_state`, FSDP2's DTensors); on a GPU the writer copies each
       tensor to host memory and keeps the copies until the rank's file is written (a torch
       behaviour): the parameters and AdamW state of the rank, in host memory;
-    - resume: the parameters and the AdamW state read back, no gradients yet, plus the start's
-      transient (the model is built first)."""
+    - resume: the model built first (the start, with its transient), then the parameters and the
+      AdamW state read back into their shards, no gradients yet: the larger of the two, as the
+      start's transient is freed before the checkpoint is read (measured: benchmarks/phase_memory.py)."""
     if settings.fsdp2:
         whole = 2 * 4 * max((n for u in shape.units for _, n in u.params), default=0)
     else:
@@ -410,7 +418,7 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
     persistent = states.parameters + states.gradients + states.optimizer
     save = persistent + CUDA_OVERHEAD_BYTES
     host = 0 if settings.cpu_offload else states.parameters + states.optimizer
-    resume = states.parameters + states.optimizer + whole + CUDA_OVERHEAD_BYTES
+    resume = max(startup, states.parameters + states.optimizer + CUDA_OVERHEAD_BYTES)
     return startup, save, host, resume
 
 

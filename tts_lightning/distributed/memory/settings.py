@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from tts_lightning.distributed.memory.shapes import LAYOUTS
 from tts_lightning.model.parameters import DEFAULT_FREEZE
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 PRECISIONS = ("bf16-mixed", "32-true")
@@ -37,6 +38,7 @@ class PlanSettings:
             SHARD_GRAD_OP is ``false``, NO_SHARD is not planned. ``auto_wrap_policy`` then names the
             layer classes (the strategy's ``layer_classes``) and ``groups`` its module-name groups.
         optimizer: `Qwen3TTSModule`'s ``optimizer`` (bytes per value in `optimizer_bytes.py`).
+        text_embedding_blocks: `Qwen3TTSModule`'s row blocks of the text embedding (FSDP units).
     """
 
     gpus: int
@@ -55,6 +57,7 @@ class PlanSettings:
     layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
     groups: Sequence[Sequence[str]] | None = None
     optimizer: str = "adamw"
+    text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS
 
     def __post_init__(self) -> None:
         from tts_lightning.model.optimizers import OPTIMIZERS

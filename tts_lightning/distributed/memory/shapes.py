@@ -2,13 +2,17 @@
 is built with no memory and no weights (LoRA adapters injected with peft when asked), and its
 parameters are grouped into units the way each strategy groups them.
 
+The text embedding is split into row blocks first, as `Qwen3TTSModule` does
+(`tts_lightning.model.row_blocks`): each block is an ``nn.Embedding`` unit of its own.
+
 * ``fsdp1`` (`Qwen3TTSFSDPStrategy`): FSDP's auto-wrap with the strategy's ``auto_wrap_policy``
   (default ``DEFAULT_WRAP``: both decoder-layer classes and every ``nn.Embedding``); each parameter
   belongs to its innermost wrapped module, the rest to the root; with an adapter, each leaf module
   whose parameters all train (the adapter matrices, ``adapter.trainable``) is a unit of its own.
 * ``fsdp2`` (`Qwen3TTSFSDP2Strategy`, ``fully_shard``): one unit per module of the layer classes
-  (default both decoder-layer classes), one per group of module-name globs (default: the codec
-  embeddings together, the text embedding, the speaker encoder), the root holding the rest.
+  (default both decoder-layer classes and the text embedding's row blocks), one per group of
+  module-name globs (default: the codec embeddings together, the speaker encoder), the root holding
+  the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from tts_lightning.distributed.memory.presets import resolve_config
 from tts_lightning.model.parameters import absent_speaker_encoder, matches
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
 __all__ = [
     "FSDP2_GROUPS",
@@ -51,10 +56,9 @@ PREDICTOR_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer"
 LAYOUTS = ("fsdp1", "fsdp2")
 # `Qwen3TTSFSDP2Strategy`'s defaults (its ``layer_classes`` and ``groups``), written here so that the
 # planner needs nothing of the strategy's module; tests/distributed/test_memory_fsdp2.py checks them.
-FSDP2_LAYERS = (TALKER_LAYER, PREDICTOR_LAYER)
+FSDP2_LAYERS = (TALKER_LAYER, PREDICTOR_LAYER, "tts_lightning.model.row_blocks.EmbeddingRowBlock")
 FSDP2_GROUPS = (
     ("talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding.*"),
-    (TEXT_EMBEDDING,),
     ("speaker_encoder",),
 )
 # Modules the training step never runs (the x-vectors are precomputed by the data module): under
@@ -171,7 +175,7 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
     order: list[tuple[str, UnitKind]] = []
     for name, module in modules.items():
         if name and isinstance(module, layer_classes):
-            owner[name] = (name, "layer")
+            owner[name] = (name, _kind(module, name))  # the text embedding's row blocks: "embedding"
             order.append(owner[name])
     for globs in groups:
         matched = [n for n in modules if n and any(fnmatch.fnmatchcase(n, g) for g in globs)]
@@ -211,10 +215,12 @@ def _model_shape(
     adapter_json: str = "null",
     layout: str = "fsdp1",
     groups_json: str = "null",
+    text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS,
 ) -> ModelShape:
     from tts_lightning.model.lora import LoRASettings, inject_lora
 
     model: Any = build_meta_model(json.loads(config_json))
+    split_text_embedding(model, text_embedding_blocks)  # as `Qwen3TTSModule.configure_model` does
     adapter = LoRASettings.coerce(json.loads(adapter_json))
     if adapter is not None:
         model = inject_lora(model, adapter)
@@ -264,11 +270,13 @@ def model_shape(
     *,
     layout: Literal["fsdp1", "fsdp2"] = "fsdp1",
     groups: Sequence[Sequence[str]] | None = None,
+    text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS,
 ) -> ModelShape:
     """Sharding units and activation-relevant widths of a model, from its meta-device build (with
     the LoRA adapters of ``adapter`` injected, as `Qwen3TTSModule` does). ``wrap``: FSDP1's
     ``auto_wrap_policy`` (default ``DEFAULT_WRAP``) or, with ``layout="fsdp2"``, the layer classes
-    (default `FSDP2_LAYERS`); ``groups``: FSDP2's module-name glob groups (default `FSDP2_GROUPS`)."""
+    (default `FSDP2_LAYERS`); ``groups``: FSDP2's module-name glob groups (default `FSDP2_GROUPS`);
+    ``text_embedding_blocks``: `Qwen3TTSModule`'s row blocks of the text embedding."""
     from tts_lightning.distributed.fsdp import DEFAULT_WRAP
     from tts_lightning.model.lora import LoRASettings
 
@@ -283,6 +291,7 @@ def model_shape(
         json.dumps(None if settings is None else settings.to_dict(), sort_keys=True),
         layout,
         json.dumps(None if groups is None else [list(g) for g in groups]),
+        text_embedding_blocks,
     )
 
 
