@@ -16,6 +16,7 @@ from tts_lightning import Qwen3TTSModule
 from tts_lightning.callbacks import SpeakerSamplesCallback
 from tts_lightning.data.codec_cache import load_codes
 from tts_lightning.metrics.speech import max_new_tokens_for
+from tts_lightning.model.row_blocks import official_state
 
 TEXTS = ["Good morning, how are you today?"]
 
@@ -25,7 +26,7 @@ def official_model(tiny_dir, module):
     from qwen_tts import Qwen3TTSModel
 
     official = Qwen3TTSModel.from_pretrained(str(tiny_dir))
-    official.model.load_state_dict(module.model.state_dict())
+    official.model.load_state_dict(official_state(module.model.state_dict()))  # row blocks joined
     official.model.eval()
     return official
 

@@ -81,11 +81,14 @@ def global_norm(tensors, device) -> float:
 
 
 def clipping_checks(trainer, pl_module, reference, batch) -> dict:
+    from tts_lightning.model.row_blocks import official_key
+
     strategy = trainer.strategy
     with torch.enable_grad():
         strategy.model(batch).loss.backward()
+        trainable = {official_key(k) for k in pl_module.trainable_keys}  # the row blocks: the one embedding
         for name, param in reference.named_parameters():
-            param.requires_grad_(f"model.{name}" in pl_module.trainable_keys)
+            param.requires_grad_(f"model.{name}" in trainable)
         compute_loss(reference.talker, batch).loss.backward()
     # The plain model's gradient, averaged over the ranks' batches as FSDP reduces it.
     plain = torch.cat([p.grad.flatten() for p in reference.parameters() if p.grad is not None]).double()
@@ -116,6 +119,8 @@ class Checks(L.Callback):
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+        from tts_lightning.model.row_blocks import official_state
+
         strategy, rank = trainer.strategy, trainer.global_rank
         result = {"rank": rank}
         reference = reference_model(self.pretrained)
@@ -124,7 +129,8 @@ class Checks(L.Callback):
         ):
             full = strategy.model.state_dict()
         ref = reference.state_dict()
-        mine = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
+        # the text embedding's row blocks joined: the layout of the pretrained weights
+        mine = official_state({k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")})
         result["weights_keys_equal"] = set(mine) == set(ref)
         result["weights_bit_identical"] = all(torch.equal(mine[k], ref[k]) for k in ref)
 

@@ -90,10 +90,11 @@ def test_load_from_checkpoint_reads_the_weights_only(fsdp2, option, checkpoint):
     gets the weights the checkpoint holds (the optimizer state is never read), in their dtype."""
     from tts_lightning import Qwen3TTSModule
     from tts_lightning.model.checkpoint import load_training_checkpoint
+    from tts_lightning.model.row_blocks import official_state
 
     path = fsdp2[1] / option / checkpoint
     saved = load_training_checkpoint(path).state_dict
-    state = Qwen3TTSModule.load_from_checkpoint(path).state_dict()
+    state = official_state(Qwen3TTSModule.load_from_checkpoint(path).state_dict())  # row blocks joined
     assert set(state) == set(saved) and not any(k.startswith("optimizer") for k in state)
     for key, value in saved.items():
         assert torch.equal(state[key], value), key

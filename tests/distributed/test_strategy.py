@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
 
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, DEFAULT_WRAP, Qwen3TTSFSDPStrategy
+from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
 TALKER_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer"
 PREDICTOR_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer"
@@ -284,7 +285,9 @@ def test_one_rank_wrap_units_checkpointing_and_bf16(process_group, tiny_dir, bat
     # Every decoder layer of both kinds and every embedding is its own FSDP unit.
     wanted = [m for m in module_bf.modules() if isinstance(m, (talker_layer, predictor_layer, nn.Embedding))]
     units = {id(_unwrap(m.module)) for m in wrapped_bf.modules() if isinstance(m, FullyShardedDataParallel)}
-    assert len(wanted) == 2 + 2 + 2 + 15  # tiny: 2 talker layers, 2 predictor layers, 2 + 15 embeddings
+    # tiny: 2 talker layers, 2 predictor layers; embeddings: the text embedding's row blocks, the
+    # talker's codec embedding and the predictor's 15
+    assert len(wanted) == 2 + 2 + DEFAULT_TEXT_EMBEDDING_BLOCKS + 1 + 15
     missing = [type(m).__name__ for m in wanted if id(m) not in units]
     assert not missing, f"not FSDP units: {missing}"
     # ... and both layer kinds, only they, are activation-checkpointed.

@@ -142,3 +142,10 @@ def official_layout(keys: Iterable[str]) -> list[str]:
 def join_blocks(values: Mapping[str, Tensor], block_keys: list[str]) -> Tensor:
     """The official weight from its blocks' values (one copy, in the blocks' dtype)."""
     return torch.cat([values[k] for k in block_keys], dim=0)
+
+
+def official_state(values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``values`` (a state dict) with each embedding's blocks joined under its official key."""
+    groups = block_groups(values)
+    joined = {key: join_blocks(values, groups[key]) for key in groups}
+    return {key: joined[key] if key in joined else values[key] for key in official_layout(values)}
