@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tts_lightning.errors import ConfigError
+from tts_lightning.metrics.speaker_similarity import INSTALL_HINT  # the eval extra: asr too
 
 if TYPE_CHECKING:
     from tts_lightning.evaluation.asr import Recognizer
-
-INSTALL_HINT = "pip install 'tts-lightning[eval]'"
 
 
 class SampleIntelligibility:

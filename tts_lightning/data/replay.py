@@ -170,7 +170,7 @@ def _speak(
     """Each built-in speaker says each text, one record per call (padding never changes a record),
     seeded ``seed + 1000 x speaker number + text number`` with the caller's RNG left as it was."""
     from tts_lightning.data.codec_cache import check_codes, codebook_size
-    from tts_lightning.model.generation import _seeded
+    from tts_lightning.model.generation import seeded
     from tts_lightning.model.loading import MetaWeights, build_empty_model
     from tts_lightning.model.pretrained import load_text_tokenizer
     from tts_lightning.model.sequence import tokenize_text
@@ -188,7 +188,7 @@ def _speak(
         language = spoken_language(talker_config, speaker, "auto")
         for t, text in enumerate(texts):
             ids = torch.tensor([tokenize_text(tokenizer, text)], dtype=torch.long, device=device)
-            with torch.no_grad(), _seeded(record_seed(seed, s, t), torch.device(device)):
+            with torch.no_grad(), seeded(record_seed(seed, s, t), torch.device(device)):
                 codes, _ = generate(
                     input_ids=[ids], languages=[language], speakers=[speaker], non_streaming_mode=True, **generation
                 )

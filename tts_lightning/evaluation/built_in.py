@@ -39,7 +39,7 @@ def speak_built_in(tts, forgetting: dict[str, Any], audio_dir: Path, *, device: 
     from tts_lightning.data.replay import read_records, record_seed
     from tts_lightning.files import atomic_write_wav
     from tts_lightning.model.custom_voice import built_in_speakers
-    from tts_lightning.model.generation import _seeded, decode_codes
+    from tts_lightning.model.generation import decode_codes, seeded
     from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
 
     folder = Path(forgetting["records"])
@@ -55,7 +55,7 @@ def speak_built_in(tts, forgetting: dict[str, Any], audio_dir: Path, *, device: 
             t = header["texts"].index(record.text)
             seed = record_seed(int(header["seed"]), numbers[name], t)
             (before,) = decode_codes(speech_tokenizer, [load_codes(cache_dir / record.codes)])
-            with torch.no_grad(), _seeded(seed, torch.device(device)):
+            with torch.no_grad(), seeded(seed, torch.device(device)):
                 wavs, _ = tts.generate_custom_voice(
                     text=record.text, speaker=name, language="Auto", max_new_tokens=max_new_tokens
                 )

@@ -128,7 +128,7 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device):
+def seeded(seed: int | None, device: torch.device):
     """Seed the global RNG for the block and restore the caller's RNG state afterwards."""
     if seed is None:
         yield
@@ -211,7 +211,7 @@ def generate_codes(
     # weights compute in, autocast brings every input back to the weights' dtype.
     mixed = dtype != talker.dtype and dtype in (torch.bfloat16, torch.float16)
     autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
-    with torch.no_grad(), _seeded(seed, device), autocast:
+    with torch.no_grad(), seeded(seed, device), autocast:
         generate: Any = model.generate
         codes, _ = generate(
             input_ids=input_ids,
