@@ -210,7 +210,7 @@ def test_wav_writers_on_a_full_disk_leave_no_partial_file(small_fs):
     import torch
 
     from tts_lightning.data.predict import PredictionWriter
-    from tts_lightning.evaluation.evaluate import SpeakerPlan, _generate_system
+    from tts_lightning.evaluation.evaluate import SpeakerPlan, generate_system
     from tts_lightning.files import atomic_write_wav
 
     fs = small_fs("64k")
@@ -232,7 +232,7 @@ def test_wav_writers_on_a_full_disk_leave_no_partial_file(small_fs):
         PredictionWriter(str(roomy)).write_on_batch_end(None, None, [item], None, None, 0, 0)
     assert list(roomy.iterdir()) == []
 
-    def generate(*args, **kwargs):  # the official generation, as _generate_system wraps it
+    def generate(*args, **kwargs):  # the official generation, as generate_system wraps it
         return [torch.zeros(12, 16)], None
 
     def generate_custom_voice(**kwargs):
@@ -242,7 +242,7 @@ def test_wav_writers_on_a_full_disk_leave_no_partial_file(small_fs):
     tts = SimpleNamespace(model=SimpleNamespace(generate=generate), generate_custom_voice=generate_custom_voice)
     plan = SpeakerPlan("alice", "english", fs / "ref.wav", None, [], False, ["Hello there."])
     with pytest.raises(WriteError, match=r"fine_tuned/text00_sample0\.wav: no space left on device"):
-        _generate_system(
+        generate_system(
             tts,
             "fine_tuned",
             [plan],

@@ -4,6 +4,7 @@ against the tiny base model's zero-shot cloning (x-vector and ICL) through the o
 import json
 
 import lightning as L
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -57,9 +58,9 @@ def run(*args):
 
 
 @pytest.fixture(scope="module")
-def evaluated(finetuned, tiny_dir):
-    """The one evaluate run (exported model, 2 samples) the tests below read: its output folder and
-    what it printed."""
+def evaluated(finetuned, tiny_dir, held_out_manifest):
+    """The one evaluate run (exported model, 2 samples, a held-out speaker) the tests below read: its
+    output folder and what it printed."""
     import contextlib
     import io
 
@@ -69,13 +70,13 @@ def evaluated(finetuned, tiny_dir):
     with contextlib.redirect_stdout(printed):
         code = run(
             *("--model", voice, "--base", tiny_dir, "--prepared", cache, "--out", out, "--text", TEXT),
-            *("--num-samples", 2),
+            *("--num-samples", 2, "--held-out", held_out_manifest),
         )
     assert code == 0
     return out, printed.getvalue()
 
 
-def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
+def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated, tiny_dir, held_out_manifest):
     root, ckpt, voice, cache = finetuned
     out, printed = evaluated
     result = json.loads((out / "evaluation.json").read_text())
@@ -115,6 +116,44 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated):
     header = table.splitlines()[0]
     assert all(label in header for label in ("fine-tuned", "zero-shot x-vector", "zero-shot ICL", "verdict"))
     assert "bob: no validation clips" in table
+
+    # The held-out speaker cloned (ICL) by the base model and by the fine-tuned weights in it.
+    zero_shot = result["zero_shot"]
+    assert zero_shot["held_out"] == str(held_out_manifest) and list(zero_shot["speakers"]) == ["dave"]
+    dave = zero_shot["speakers"]["dave"]
+    assert dave["texts"] == [TEXT] and dave["reference"].endswith("dave_000.wav")
+    assert [p.rsplit("/", 1)[-1] for p in dave["real_clips"]] == ["dave_001.wav"]
+    pairs = list(zip(dave["generations"]["before"], dave["generations"]["after"], strict=True))
+    assert [(b["seed"], a["seed"]) for b, a in pairs] == [(0, 0), (1000, 1000)]  # the same seeds
+    for b, a in pairs:
+        assert -1.0 <= b["similarity"] <= 1.0 and -1.0 <= a["similarity"] <= 1.0
+        assert sf.read(b["audio"])[0].size == b["frames"] * 1920
+    # The fine-tuned weights clone differently (the equal-weights case is test_zero_shot's).
+    assert any(not np.array_equal(sf.read(b["audio"])[0], sf.read(a["audio"])[0]) for b, a in pairs)
+    for when in ("before", "after"):
+        sims = [g["similarity"] for g in dave["generations"][when]]
+        assert dave["summary"][when]["speaker_similarity"]["mean"] == pytest.approx(np.mean(sims))
+    c = dave["comparison"]["speaker_similarity"]
+    diff = np.mean([a["similarity"] - b["similarity"] for b, a in pairs])
+    assert c["test"] == "paired t" and c["pairs"] == 2 and c["difference"] == pytest.approx(diff)
+    before, after = (f"{dave['summary'][w]['speaker_similarity']['mean']:.3f}" for w in ("before", "after"))
+    assert f"| dave | speaker similarity | {before} ± " in table and f"| {after} ± " in table
+    assert "Zero-shot cloning of held-out speakers" in table
+    # "after" is the export's weights in the base model, the speaker encoder the base model's own.
+    from safetensors.torch import load_file
+
+    from tts_lightning.evaluation.zero_shot import load_fine_tuned_base
+
+    state = load_fine_tuned_base(voice, tiny_dir, "cpu", torch.float32).model.state_dict()
+    exported, base_weights = load_file(str(voice / "model.safetensors")), load_file(str(tiny_dir / "model.safetensors"))
+    assert (
+        set(state) == set(base_weights) == set(exported) | {k for k in base_weights if k.startswith("speaker_encoder.")}
+    )
+    for key, value in state.items():
+        torch.testing.assert_close(
+            value, (base_weights if key.startswith("speaker_encoder.") else exported)[key], atol=0, rtol=0
+        )
+    assert not torch.equal(state["talker.codec_head.weight"], base_weights["talker.codec_head.weight"])  # trained
     for name in SPEAKERS:
         assert f"| {name} | speaker similarity |" in table and f"| {name} | end-of-speech failures |" in table
         assert "character error rate" not in table
@@ -182,6 +221,22 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
 
     assert run("--model", voice, "--base", tiny_dir, "--prepared", root / "nowhere", "--out", out) == 2
     assert "no prepared data index" in capsys.readouterr().err
+
+    # --held-out: each bad file named in one line, before any model loads.
+    bad = root / "held-out-errors"
+    bad.mkdir()
+    (bad / "trained.jsonl").write_text('{"audio": "a.wav", "text": "Hi there.", "speaker": "alice"}\n')
+    (bad / "broken.jsonl").write_text('{"audio": "a.wav", "text": "Hi there.", "speaker": "eve"}\n{"audio": \n')
+    (bad / "missing.jsonl").write_text('{"audio": "gone.wav", "text": "Hi there.", "speaker": "eve"}\n')
+    for held, message in (
+        (bad / "nothing.jsonl", f"--held-out: manifest not found: {bad / 'nothing.jsonl'}"),
+        (bad / "trained.jsonl", f"--held-out {bad / 'trained.jsonl'}: speaker(s) ['alice'] are in the run's data"),
+        (bad / "broken.jsonl", f"--held-out {bad / 'broken.jsonl'}: broken.jsonl:2: invalid JSON"),
+        (bad / "missing.jsonl", f"missing.jsonl:1: audio {bad / 'gone.wav'} does not exist"),
+    ):
+        assert run("--model", voice, "--base", tiny_dir, *common, "--held-out", held) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
     assert not list((root / "eval-errors").glob("*.json"))
 
 
@@ -202,6 +257,12 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
         assert page.locator("audio.reference").count() == len(SPEAKERS)
         assert page.locator("div.chart svg").count() == len(SPEAKERS)
         durations = decoded(page, "audio.generation")
+        zero_shot = {w: decoded(page, f"audio.zero-shot.{w}") for w in ("before", "after")}
+        assert page.locator("audio.zero-shot.cloned-reference").count() == 1
+        shown_zero_shot = page.evaluate(
+            """() => [...document.querySelectorAll('table.zero-shot tr')].filter(r => r.querySelector('td.verdict'))
+                .map(r => [...r.querySelectorAll('td')].map(td => td.innerText))"""
+        )
         verdicts = page.evaluate(
             """() => [...document.querySelectorAll('table.verdicts tr')].filter(r => r.querySelector('td.verdict'))
                 .map(r => [...r.querySelectorAll('td')].map(td => td.innerText)
@@ -212,6 +273,16 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
     expected = [g["seconds"] for s in result["speakers"].values() for gs in s["generations"].values() for g in gs]
     assert durations == pytest.approx(expected, abs=0.01)
     assert (tmp_path / "evaluation.png").stat().st_size > 10_000
+    # The held-out speaker's clones, before and after, each decoding to its clip's duration; the
+    # similarity verdict as the JSON says.
+    dave = result["zero_shot"]["speakers"]["dave"]
+    for when in ("before", "after"):
+        assert zero_shot[when] == pytest.approx([g["seconds"] for g in dave["generations"][when]], abs=0.01)
+    c = dave["comparison"]["speaker_similarity"]
+    ((speaker, _, _, diff, verdict, p_value, pairs),) = shown_zero_shot
+    assert speaker == "dave" and verdict == c["verdict"] and int(pairs) == c["pairs"] == 2
+    assert float(diff) == pytest.approx(c["difference"], abs=5e-4)
+    assert float(p_value) == pytest.approx(c["p_value"], rel=0.05, abs=1e-12)
     # Per speaker, each zero-shot system against the fine-tuned one on similarity, pace and failures
     # (no --asr here: no CER rows), in the JSON's order, as the JSON says.
     expected_verdicts = [

@@ -67,6 +67,12 @@ def evaluate_command(argv: list[str]) -> int:
         "(openai/whisper-small or a local folder) or pocketsphinx (offline, weak); default off",
     )
     parser.add_argument("--no-icl", action="store_true", help="skip the zero-shot ICL system")
+    parser.add_argument(
+        "--held-out",
+        type=Path,
+        help="clips of speakers not in the run's data (a .jsonl, metadata.csv or folder manifest): each "
+        "speaker's first clip is cloned (ICL) by the base model and by the fine-tuned weights, before / after",
+    )
     parser.add_argument("--device", help="default cuda:0 when available, else cpu")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
     parser.add_argument(
@@ -99,6 +105,7 @@ def evaluate_command(argv: list[str]) -> int:
         device=args.device,
         dtype=args.dtype,
         trust_checkpoint=args.trust_checkpoint,
+        held_out=args.held_out,
     )
     print(result["table"])
     print(f"{args.out / 'evaluation.json'}\n{args.out / 'evaluation.md'}\n{args.out / 'audio'}")

@@ -88,7 +88,7 @@ def _language(language: str) -> str:
     return "Auto" if language.lower() == "auto" else language
 
 
-def _generate_system(
+def generate_system(
     tts,
     system: str,
     plans: list[SpeakerPlan],
@@ -98,8 +98,10 @@ def _generate_system(
     seed: int,
     limit_factor: float,
     audio_dir: Path,
+    label: str | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Speak every (speaker, text, sample) with one system; the audio goes to ``audio_dir``."""
+    """Speak every (speaker, text, sample) with one system; the audio goes to
+    ``audio_dir/<speaker>/<label>/`` (``label``: default the system's name)."""
     from tts_lightning.files import atomic_write_wav
 
     out: dict[str, list[dict[str, Any]]] = {}
@@ -135,7 +137,7 @@ def _generate_system(
                     if int(sr) != SAMPLE_RATE:
                         raise EvaluationError(f"the model speaks at {sr} Hz, expected {SAMPLE_RATE}")
                     wav = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
-                    path = audio_dir / plan.name / system / f"text{t:02d}_sample{k}.wav"
+                    path = audio_dir / plan.name / (label or system) / f"text{t:02d}_sample{k}.wav"
                     atomic_write_wav(path, np.clip(wav, -1.0, 1.0), SAMPLE_RATE)  # a full disk: WriteError
                     n = frames[-1]
                     gens.append(
@@ -177,14 +179,21 @@ def evaluate(
     device: str | None = None,
     dtype: Dtype | None = None,
     trust_checkpoint: bool = False,
+    held_out: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Run the comparison; write ``evaluation.json``, ``evaluation.md`` and ``audio/`` under ``out``;
-    return the result (what the JSON holds)."""
+    return the result (what the JSON holds). ``held_out``: a manifest of speakers not in the data,
+    cloned zero-shot before and after fine-tuning (`tts_lightning.evaluation.zero_shot`)."""
     _check_settings(num_samples=num_samples, max_texts=max_texts, alpha=alpha)
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     index_file, index = read_prepared(prepared)
+    held_plans, cloned = None, None
+    if held_out is not None:  # read before any model loads: a bad file fails at once
+        from tts_lightning.evaluation.zero_shot import read_held_out
+
+        held_plans = read_held_out(held_out, [s["name"] for s in index["speakers"]])
     out = Path(out).expanduser()
     workdir = _make_workdir(out)
     try:
@@ -195,23 +204,18 @@ def evaluate(
         chosen = choose_speakers(index, index_file, model_dir, speakers)
         plans = plan_speakers(index, chosen, texts=texts, max_texts=max_texts)
         real_audio, paces = load_real_clips(plans)
+        for held in held_plans or []:  # the evaluation's texts, the first max_texts of them
+            held.texts = list(dict.fromkeys(t for p in plans for t in p.texts))[:max_texts]
         from tts_lightning.evaluation.forgetting import measure_forgetting
 
         forgetting = measure_forgetting(index_file.parent, model_dir, device=device)  # None without replay
-        generated = _generate_all(
-            model_dir,
-            base_dir,
-            plans,
-            forgetting=forgetting,
-            icl=icl,
-            device=device,
-            torch_dtype=torch_dtype,
-            paces=paces,
-            num_samples=num_samples,
-            seed=seed,
-            limit_factor=limit_factor,
-            audio_dir=out / "audio",
-        )
+        common: dict[str, Any] = {"num_samples": num_samples, "seed": seed, "limit_factor": limit_factor}
+        common.update(audio_dir=out / "audio", device=device, torch_dtype=torch_dtype)
+        generated = _generate_all(model_dir, base_dir, plans, forgetting=forgetting, icl=icl, paces=paces, **common)
+        if held_plans is not None:
+            from tts_lightning.evaluation.zero_shot import clone_before_after
+
+            cloned = clone_before_after(model_dir, base_dir, held_plans, **common)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -240,8 +244,12 @@ def evaluate(
 
         recognizer = make_recognizer(asr, device=device)
     for plan in plans:
-        systems = _score_speaker(plan, generated, real_audio[plan.name], paces[plan.name], recognizer)
+        systems = score_speaker(plan, generated, real_audio[plan.name], paces[plan.name], recognizer)
         result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name], alpha)
+    if held_plans is not None and cloned is not None:
+        from tts_lightning.evaluation.zero_shot import zero_shot_result
+
+        result["zero_shot"] = zero_shot_result(str(held_out), held_plans, *cloned, alpha=alpha, recognizer=recognizer)
     _write_outputs(out, result)
     return result
 
@@ -288,26 +296,26 @@ def _generate_all(
 ) -> dict[str, dict[str, list[dict]]]:
     """Every system's generations: the fine-tuned model's (and, with ``forgetting``, its built-in
     speakers' replay texts, `speak_built_in`), then the base model's (x-vector, then ICL when
-    ``icl``), one model in memory at a time. ``common``: `_generate_system`'s settings."""
+    ``icl``), one model in memory at a time. ``common``: `generate_system`'s settings."""
     generated: dict[str, dict[str, list[dict]]] = {}
     tts = _load(model_dir, device, torch_dtype)
-    generated["fine_tuned"] = _generate_system(tts, "fine_tuned", plans, **common)
+    generated["fine_tuned"] = generate_system(tts, "fine_tuned", plans, **common)
     if forgetting is not None:
         from tts_lightning.evaluation.built_in import speak_built_in
 
         speak_built_in(tts, forgetting, common["audio_dir"], device=device)
     del tts
-    _free(device)
+    free_memory(device)
     tts = _load(base_dir, device, torch_dtype)
-    generated["zero_shot_xvector"] = _generate_system(tts, "zero_shot_xvector", plans, **common)
+    generated["zero_shot_xvector"] = generate_system(tts, "zero_shot_xvector", plans, **common)
     if icl:
-        generated["zero_shot_icl"] = _generate_system(tts, "zero_shot_icl", plans, **common)
+        generated["zero_shot_icl"] = generate_system(tts, "zero_shot_icl", plans, **common)
     del tts
-    _free(device)
+    free_memory(device)
     return generated
 
 
-def _score_speaker(
+def score_speaker(
     plan: SpeakerPlan,
     generated: dict[str, dict[str, list[dict]]],
     real_audio: list[np.ndarray],
@@ -374,13 +382,17 @@ def _write_outputs(out: Path, result: dict[str, Any]) -> None:
         from tts_lightning.evaluation.forgetting import forgetting_table
 
         table += forgetting_table(result["forgetting"])
+    if "zero_shot" in result:
+        from tts_lightning.evaluation.report import zero_shot_table
+
+        table += zero_shot_table(result["zero_shot"])
     atomic_write(out / "evaluation.md", lambda fh: fh.write(table), binary=False)
     page = evaluation_html(result, SAMPLE_RATE)
     atomic_write(out / "evaluation.html", lambda fh: fh.write(page), binary=False)
     result["table"] = table
 
 
-def _free(device: str) -> None:
+def free_memory(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

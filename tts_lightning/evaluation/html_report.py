@@ -5,7 +5,8 @@ scores; per speaker the paired verdicts (each system against the fine-tuned one:
 the test used) and an inline SVG chart of similarity, speaking rate, intelligibility (with --asr)
 and end-of-speech failures per system with their spread; the run's settings; with replay records,
 a "Built-in speakers" section (the forgetting table; per replay text, the starting and the
-fine-tuned model). Audio is embedded as 16-bit WAV data URIs."""
+fine-tuned model); with ``--held-out``, a "Zero-shot cloning" section (before / after per held-out
+speaker, text and seed). Audio is embedded as 16-bit WAV data URIs."""
 
 from __future__ import annotations
 
@@ -184,6 +185,50 @@ def _built_in_section(forgetting: dict[str, Any], sample_rate: int) -> list[str]
     return out
 
 
+def _zero_shot_section(zero_shot: dict[str, Any], sample_rate: int) -> list[str]:
+    """Held-out speakers cloned (ICL) by the starting base model and by the fine-tuned weights
+    (`tts_lightning.evaluation.zero_shot`): similarity before / after with the paired verdict, and
+    per text and seed both clones side by side."""
+    head = "<tr><th>held-out speaker</th><th>similarity before</th><th>after</th><th>Δ (paired)</th>"
+    rows = [head + "<th>verdict</th><th>p</th><th>pairs</th></tr>"]
+    for name, s in zero_shot["speakers"].items():
+        c = s["comparison"]["speaker_similarity"]
+        before, after = (_summary_value(s["summary"][w], "speaker_similarity") for w in ("before", "after"))
+        p = "n/a" if c["p_value"] is None else f"{c['p_value']:.2g}"
+        diff = "n/a" if c["difference"] is None else f"{c['difference']:+.3f}"
+        rows.append(
+            f'<tr class="{c["verdict"].replace(" ", "-")}"><td class="speaker">{html.escape(name)}</td>'
+            f'<td class="before">{before}</td><td class="after">{after}</td><td class="difference">{diff}</td>'
+            f'<td class="verdict"><b>{html.escape(c["verdict"])}</b></td><td class="p">{p}</td>'
+            f"<td>{c['pairs']}</td></tr>"
+        )
+    out = [
+        '<h2 id="zero-shot">Zero-shot cloning of held-out speakers</h2>',
+        "<p>Each held-out speaker's first clip cloned in ICL mode (<code>generate_voice_clone</code>) by the "
+        "starting base model (before) and by the fine-tuned weights in it (after), the same texts and seeds; "
+        "similarity to the speaker's other clips. Δ &lt; 0: fine-tuning cost zero-shot cloning.</p>",
+        '<table class="zero-shot">' + "".join(rows) + "</table>",
+    ]
+    for name, s in zero_shot["speakers"].items():
+        out += [
+            f"<h3>{html.escape(name)}</h3>",
+            f'<p>Reference clip (cloned): <audio controls preload="metadata" class="zero-shot cloned-reference" '
+            f'src="{_file_uri(s["reference"], sample_rate)}"></audio> “{html.escape(s["reference_text"])}”</p>',
+            "<table><tr><th>text</th><th>sample</th><th>before</th><th>after</th></tr>",
+        ]
+        pairs = zip(s["generations"]["before"], s["generations"]["after"], strict=True)
+        for b, a in pairs:  # generated in the same (text, sample) order before and after
+            cells = "".join(
+                f'<td><audio controls preload="metadata" class="zero-shot {when}" '
+                f'src="{_file_uri(g["audio"], sample_rate)}"></audio><br>{_scores(g)}</td>'
+                for when, g in (("before", b), ("after", a))
+            )
+            text = html.escape(s["texts"][b["text_index"]])
+            out.append(f"<tr><td>“{text}”</td><td>{b['sample']} (seed {b['seed']})</td>{cells}</tr>")
+        out.append("</table>")
+    return out
+
+
 def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
     settings = {"model": result["model"], "base": result["base"], "prepared": result["prepared"], **result["settings"]}
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in settings.items())
@@ -192,6 +237,8 @@ def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
         body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))
     if "forgetting" in result:
         body += _built_in_section(result["forgetting"], sample_rate)
+    if "zero_shot" in result:
+        body += _zero_shot_section(result["zero_shot"], sample_rate)
     style = (
         "body{font-family:sans-serif;margin:1em 2em}td,th{padding:2px 8px;text-align:left}svg{max-width:100%}"
         "tr.better .verdict{color:#1a7f37}tr.worse .verdict{color:#c62828}"

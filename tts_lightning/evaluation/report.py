@@ -209,3 +209,40 @@ def markdown_table(result: dict[str, Any]) -> str:
                 "other clips, which the model trained on."
             )
     return "\n".join(lines + notes) + "\n"
+
+
+def zero_shot_table(zero_shot: dict[str, Any]) -> str:
+    """The Markdown table of `tts_lightning.evaluation.zero_shot.zero_shot_result`: before, after, Δ
+    and the verdict per metric."""
+    lines = [
+        "",
+        "Zero-shot cloning of held-out speakers (ICL, generate_voice_clone): the starting base model (before) "
+        "and the fine-tuned weights in it (after)",
+        "",
+        "| held-out speaker | metric | before | after | Δ (after - before) | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in zero_shot["speakers"].items():
+        before, after, comp = s["summary"]["before"], s["summary"]["after"], s["comparison"]
+        rows = [
+            ("speaker similarity", lambda x: _fmt(x["speaker_similarity"]["mean"], x["speaker_similarity"]["sd"])),
+            (
+                "speaking rate ratio",
+                lambda x: _fmt(x["speaking_rate_ratio"]["mean"], x["speaking_rate_ratio"]["sd"], 2),
+            ),
+            ("end-of-speech failures", lambda x: f"{x['eos_failures']}/{x['generations']}"),
+        ]
+        for (label, cell), key in zip(rows, ("speaker_similarity", "pace_error", "eos_failure_rate"), strict=True):
+            c = comp[key]
+            lines.append(
+                f"| {name} | {label} | {cell(before)} | {cell(after)} | {_signed(c['difference'])} | {_verdict(c)} |"
+            )
+    lines += [
+        "",
+        "Δ < 0 in similarity (worse, when the paired test says so): fine-tuning cost the model some of its "
+        "zero-shot cloning. Speaking rate: Δ is the change in |log ratio|, negative is closer to the speaker's pace.",
+    ]
+    for name, s in zero_shot["speakers"].items():
+        if s["real_clips_are_reference"]:
+            lines.append(f"{name}: one clip, so the clones are scored against the reference they cloned.")
+    return "\n".join(lines) + "\n"
