@@ -210,7 +210,8 @@ def test_wav_writers_on_a_full_disk_leave_no_partial_file(small_fs):
     import torch
 
     from tts_lightning.data.predict import PredictionWriter
-    from tts_lightning.evaluation.evaluate import SpeakerPlan, generate_system
+    from tts_lightning.evaluation.inputs import SpeakerPlan
+    from tts_lightning.evaluation.speak import generate_system
     from tts_lightning.files import atomic_write_wav
 
     fs = small_fs("64k")

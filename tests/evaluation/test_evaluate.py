@@ -200,7 +200,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated, tiny_d
     assert not [p for p in out_ckpt.iterdir() if p.name.startswith(".evaluate-")]  # the temporary export is gone
 
 
-def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, capsys):
+def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, held_out_manifest, capsys):
     root, ckpt, voice, cache = finetuned
     out = root / "eval-errors"
     common = ["--prepared", cache, "--out", out, "--text", TEXT]
@@ -237,6 +237,10 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, caps
         assert run("--model", voice, "--base", tiny_dir, *common, "--held-out", held) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    # A model from a CustomVoice start (built-in speakers) had no zero-shot cloning to compare with.
+    assert run("--model", tiny_custom_voice_dir, "--base", tiny_dir, *common, "--held-out", held_out_manifest) == 2
+    err = capsys.readouterr().err
+    assert "has built-in speakers ['ryan', 'serena', 'vivian'], so it started from a CustomVoice model" in err
     assert not list((root / "eval-errors").glob("*.json"))
 
 

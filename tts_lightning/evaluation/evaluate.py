@@ -17,22 +17,20 @@ speech per character over the real clips'), end-of-speech failure (no ``codec_eo
 set from the text's length and the speaker's pace), duration and real-time factor. The result is
 ``evaluation.json``, ``evaluation.md`` (the table with verdicts) and the audio under ``audio/``.
 What is compared (the models, the data, the speakers and their texts) is found by
-`tts_lightning.evaluation.inputs`.
+`tts_lightning.evaluation.inputs`; generating and scoring is `tts_lightning.evaluation.speak`. With
+``held_out`` (speakers not in the data), their zero-shot cloning before and after fine-tuning is
+added (`tts_lightning.evaluation.zero_shot`).
 """
 
 from __future__ import annotations
 
-import gc
-import math
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tts_lightning.evaluation.inputs import (
@@ -47,118 +45,10 @@ from tts_lightning.evaluation.inputs import (
     resolve_base,
     resolve_model,
 )
-from tts_lightning.metrics.speech import (
-    DEFAULT_LIMIT_FACTOR,
-    frame_limit,
-    hit_frame_limit,
-    max_new_tokens_for,
-    speaking_rate_ratio,
-    speech_seconds,
-)
+from tts_lightning.evaluation.speak import free_memory, generate_system, load_model, score_speaker
+from tts_lightning.metrics.speech import DEFAULT_LIMIT_FACTOR
 
 SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
-
-
-def _record_frames(tts) -> list[int]:
-    """Wrap ``tts.model.generate`` (on this instance only) to record the frames of every generation
-    (the official code cuts them at ``codec_eos``); undone by `_unwrap`."""
-    frames: list[int] = []
-    original = tts.model.generate
-
-    def generate(*args, **kwargs):
-        codes, hidden = original(*args, **kwargs)
-        frames.extend(int(c.shape[0]) for c in codes)
-        return codes, hidden
-
-    tts.model.generate = generate
-    return frames
-
-
-def _unwrap(tts) -> None:
-    del tts.model.generate
-
-
-def _load(path: Path, device: str, dtype: torch.dtype):
-    from qwen_tts import Qwen3TTSModel
-
-    return Qwen3TTSModel.from_pretrained(str(path), device_map=device, dtype=dtype, attn_implementation="sdpa")
-
-
-def _language(language: str) -> str:
-    return "Auto" if language.lower() == "auto" else language
-
-
-def generate_system(
-    tts,
-    system: str,
-    plans: list[SpeakerPlan],
-    *,
-    paces: dict[str, float],
-    num_samples: int,
-    seed: int,
-    limit_factor: float,
-    audio_dir: Path,
-    label: str | None = None,
-) -> dict[str, list[dict[str, Any]]]:
-    """Speak every (speaker, text, sample) with one system; the audio goes to
-    ``audio_dir/<speaker>/<label>/`` (``label``: default the system's name)."""
-    from tts_lightning.files import atomic_write_wav
-
-    out: dict[str, list[dict[str, Any]]] = {}
-    frames = _record_frames(tts)
-    try:
-        for plan in plans:
-            if system == "zero_shot_icl" and not plan.reference_text:
-                continue  # no transcript of the reference: ICL is not possible
-            prompt = None
-            if system != "fine_tuned":
-                prompt = tts.create_voice_clone_prompt(
-                    ref_audio=str(plan.reference),
-                    ref_text=plan.reference_text,
-                    x_vector_only_mode=system == "zero_shot_xvector",
-                )
-            gens = []
-            for t, text in enumerate(plan.texts):
-                limit = frame_limit(text, paces[plan.name], factor=limit_factor)
-                for k in range(num_samples):
-                    sample_seed = seed + 1000 * k + t  # the same for every system
-                    torch.manual_seed(sample_seed)
-                    kwargs = {
-                        "text": text,
-                        "language": _language(plan.language),
-                        "max_new_tokens": max_new_tokens_for(limit),
-                    }
-                    started = time.perf_counter()
-                    if system == "fine_tuned":
-                        wavs, sr = tts.generate_custom_voice(speaker=plan.name, **kwargs)
-                    else:
-                        wavs, sr = tts.generate_voice_clone(voice_clone_prompt=prompt, **kwargs)
-                    elapsed = time.perf_counter() - started
-                    if int(sr) != SAMPLE_RATE:
-                        raise EvaluationError(f"the model speaks at {sr} Hz, expected {SAMPLE_RATE}")
-                    wav = np.asarray(wavs[0], dtype=np.float32).reshape(-1)
-                    path = audio_dir / plan.name / (label or system) / f"text{t:02d}_sample{k}.wav"
-                    atomic_write_wav(path, np.clip(wav, -1.0, 1.0), SAMPLE_RATE)  # a full disk: WriteError
-                    n = frames[-1]
-                    gens.append(
-                        {
-                            "text_index": t,
-                            "sample": k,
-                            "seed": sample_seed,
-                            "audio": str(path),
-                            "frames": n,
-                            "frame_limit": limit,
-                            "eos_failure": hit_frame_limit(n, limit),
-                            "seconds": wav.size / SAMPLE_RATE,
-                            "speech_seconds": speech_seconds(wav, SAMPLE_RATE),
-                            "generation_seconds": elapsed,
-                            "_wav": wav,
-                        }
-                    )
-            out[plan.name] = gens
-    finally:
-        _unwrap(tts)
-    return out
 
 
 def evaluate(
@@ -201,6 +91,10 @@ def evaluate(
             model, workdir, base=base, dtype=dtype, trust_checkpoint=trust_checkpoint
         )
         base_dir = resolve_base(base if base is not None else named_base)
+        if held_plans is not None:
+            from tts_lightning.evaluation.zero_shot import check_started_from_base
+
+            check_started_from_base(model_dir, base_dir, [s["name"] for s in index["speakers"]])
         chosen = choose_speakers(index, index_file, model_dir, speakers)
         plans = plan_speakers(index, chosen, texts=texts, max_texts=max_texts)
         real_audio, paces = load_real_clips(plans)
@@ -298,7 +192,7 @@ def _generate_all(
     speakers' replay texts, `speak_built_in`), then the base model's (x-vector, then ICL when
     ``icl``), one model in memory at a time. ``common``: `generate_system`'s settings."""
     generated: dict[str, dict[str, list[dict]]] = {}
-    tts = _load(model_dir, device, torch_dtype)
+    tts = load_model(model_dir, device, torch_dtype)
     generated["fine_tuned"] = generate_system(tts, "fine_tuned", plans, **common)
     if forgetting is not None:
         from tts_lightning.evaluation.built_in import speak_built_in
@@ -306,49 +200,13 @@ def _generate_all(
         speak_built_in(tts, forgetting, common["audio_dir"], device=device)
     del tts
     free_memory(device)
-    tts = _load(base_dir, device, torch_dtype)
+    tts = load_model(base_dir, device, torch_dtype)
     generated["zero_shot_xvector"] = generate_system(tts, "zero_shot_xvector", plans, **common)
     if icl:
         generated["zero_shot_icl"] = generate_system(tts, "zero_shot_icl", plans, **common)
     del tts
     free_memory(device)
     return generated
-
-
-def score_speaker(
-    plan: SpeakerPlan,
-    generated: dict[str, dict[str, list[dict]]],
-    real_audio: list[np.ndarray],
-    pace: float,
-    recognizer=None,
-) -> dict[str, list[dict]]:
-    """One speaker's generations by system, each scored in place (speaker similarity to the real
-    clips, speaking-rate ratio; None for silence; with a ``recognizer``, its transcript and CER / WER
-    against the text) and its audio dropped."""
-    from tts_lightning.evaluation.asr import error_rates
-    from tts_lightning.metrics.speaker_similarity import embed_utterances, reference_embedding
-
-    reference = reference_embedding(real_audio, SAMPLE_RATE)
-    systems: dict[str, list[dict]] = {}
-    for system, per_speaker in generated.items():
-        if plan.name not in per_speaker:
-            continue
-        gens = per_speaker[plan.name]
-        for g in gens:
-            wav = g.pop("_wav")
-            audible = wav.size > 0 and float(np.abs(wav).max()) > 0
-            g["similarity"] = (
-                float(torch.nn.functional.cosine_similarity(embed_utterances([wav], SAMPLE_RATE)[0], reference, dim=0))
-                if audible
-                else None
-            )
-            ratio = speaking_rate_ratio(wav, plan.texts[g["text_index"]], SAMPLE_RATE, pace)
-            g["speaking_rate_ratio"] = ratio if audible and math.isfinite(ratio) else None
-            if recognizer is not None:
-                g["transcript"] = recognizer.transcribe(wav, SAMPLE_RATE) if audible else ""
-                g.update(error_rates(plan.texts[g["text_index"]], g["transcript"]))
-        systems[system] = gens
-    return systems
 
 
 def _speaker_result(plan: SpeakerPlan, systems: dict[str, list[dict]], pace: float, alpha: float) -> dict[str, Any]:
@@ -390,9 +248,3 @@ def _write_outputs(out: Path, result: dict[str, Any]) -> None:
     page = evaluation_html(result, SAMPLE_RATE)
     atomic_write(out / "evaluation.html", lambda fh: fh.write(page), binary=False)
     result["table"] = table
-
-
-def free_memory(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()

@@ -216,6 +216,8 @@ def _zero_shot_section(zero_shot: dict[str, Any], sample_rate: int) -> list[str]
             f'src="{_file_uri(s["reference"], sample_rate)}"></audio> “{html.escape(s["reference_text"])}”</p>',
             "<table><tr><th>text</th><th>sample</th><th>before</th><th>after</th></tr>",
         ]
+        if s["real_clips_are_reference"]:
+            out.insert(-1, "<p>One clip: the clones are scored against the reference they cloned.</p>")
         pairs = zip(s["generations"]["before"], s["generations"]["after"], strict=True)
         for b, a in pairs:  # generated in the same (text, sample) order before and after
             cells = "".join(

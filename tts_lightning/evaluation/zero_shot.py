@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tts_lightning.evaluation.inputs import EvaluationError, SpeakerPlan
+from tts_lightning.evaluation.inputs import EvaluationError, SpeakerPlan, load_real_clips
+from tts_lightning.evaluation.speak import free_memory, generate_system, load_model, score_speaker
 from tts_lightning.metrics.speech import text_characters
 
 WHEN = ("before", "after")
@@ -80,17 +81,29 @@ def read_held_out(path: str | os.PathLike, training_speakers: Sequence[str]) -> 
     ]
 
 
+def check_started_from_base(model_dir: Path, base_dir: Path, data_speakers: Sequence[str]) -> None:
+    """Refuse a fine-tuned model with speakers neither the base model's nor the data's: the built-in
+    speakers of a CustomVoice start, which had no zero-shot cloning to compare with."""
+    from tts_lightning.model.pretrained import check_pretrained
+
+    known = set(check_pretrained(base_dir).speakers) | {s.lower() for s in data_speakers}
+    built_in = sorted(set(check_pretrained(model_dir).speakers) - known)
+    if built_in:
+        raise EvaluationError(
+            f"--held-out: the fine-tuned model {model_dir} has built-in speakers {built_in}, so it started from a "
+            "CustomVoice model, which cannot clone; held-out cloning needs a run from a Base model"
+        )
+
+
 def load_fine_tuned_base(model_dir: Path, base_dir: Path, device: str, dtype: torch.dtype):
     """The Base model at ``base_dir`` (its config, processor and speaker encoder) with every other
     weight read from ``model_dir`` (a ``custom_voice`` export of the run): a model
     ``generate_voice_clone`` accepts. The new speakers' ``codec_embedding`` rows come along; ICL
     never reads them (its prompt holds the reference's x-vector and codes, not a speaker id)."""
-    from qwen_tts import Qwen3TTSModel
-
     from tts_lightning.model.loading import WeightReader
     from tts_lightning.model.pretrained import check_pretrained
 
-    tts = Qwen3TTSModel.from_pretrained(str(base_dir), device_map=device, dtype=dtype, attn_implementation="sdpa")
+    tts = load_model(base_dir, device, dtype)
     state = tts.model.state_dict()
     reader = WeightReader(check_pretrained(model_dir))
     wanted = {k for k in state if not k.startswith("speaker_encoder.")}
@@ -126,22 +139,15 @@ def clone_before_after(
     in it (after), one model in memory at a time; with the speakers' real clips and pace, what
     `zero_shot_result` scores them with. ``common``: `generate_system`'s settings but ``paces``;
     the audio goes to ``<audio_dir>/<speaker>/zero_shot_before|zero_shot_after/``."""
-    from qwen_tts import Qwen3TTSModel
-
-    from tts_lightning.evaluation.evaluate import free_memory, generate_system
-    from tts_lightning.evaluation.inputs import load_real_clips
-
     real_audio, paces = load_real_clips(plans)
-
     generated: dict[str, dict[str, list[dict]]] = {}
     for when in WHEN:
         if when == "before":
-            tts = Qwen3TTSModel.from_pretrained(
-                str(base_dir), device_map=device, dtype=torch_dtype, attn_implementation="sdpa"
-            )
+            tts = load_model(base_dir, device, torch_dtype)
         else:
             tts = load_fine_tuned_base(model_dir, base_dir, device, torch_dtype)
-        generated[when] = generate_system(tts, "zero_shot_icl", plans, paces=paces, label=f"zero_shot_{when}", **common)
+        label = f"zero_shot_{when}"
+        generated[when] = generate_system(tts, "zero_shot_icl", plans, paces=paces, label=label, **common)
         del tts
         free_memory(device)
     return generated, real_audio, paces
@@ -160,7 +166,6 @@ def zero_shot_result(
     """What ``evaluation.json`` holds under ``zero_shot``: per held-out speaker its reference, the clips
     it is scored against, before and after summarized, and after compared with before (Δ = after -
     before over the same (text, seed) pairs)."""
-    from tts_lightning.evaluation.evaluate import score_speaker
     from tts_lightning.evaluation.report import comparisons, summarize
 
     speakers = {}
