@@ -99,7 +99,8 @@ def load_fine_tuned_base(model_dir: Path, base_dir: Path, device: str, dtype: to
     """The Base model at ``base_dir`` (its config, processor and speaker encoder) with every other
     weight read from ``model_dir`` (a ``custom_voice`` export of the run): a model
     ``generate_voice_clone`` accepts. The new speakers' ``codec_embedding`` rows come along; ICL
-    never reads them (its prompt holds the reference's x-vector and codes, not a speaker id)."""
+    never reads them (its prompt holds the reference's x-vector and codes, not a speaker id, and
+    generation suppresses the top 1024 codec ids but ``codec_eos``, where those rows sit)."""
     from tts_lightning.model.loading import WeightReader
     from tts_lightning.model.pretrained import check_pretrained
 
