@@ -9,10 +9,10 @@ import torch
 
 from tts_lightning.evaluation.zero_shot import clone_before_after, read_held_out, zero_shot_result
 
-pytestmark = pytest.mark.slow  # two tiny-model loads, 4 generations through the official ICL path
 TEXT = "Good morning to you."
 
 
+@pytest.mark.slow  # two tiny-model loads, 4 generations through the official ICL path
 def test_unchanged_weights_clone_the_same_before_and_after(tiny_dir, held_out_manifest, tmp_path):
     torch.set_num_threads(1)
     (plan,) = read_held_out(held_out_manifest, ["alice", "bob"])
@@ -46,3 +46,19 @@ def test_unchanged_weights_clone_the_same_before_and_after(tiny_dir, held_out_ma
     assert dave["summary"]["before"]["speaker_similarity"] == dave["summary"]["after"]["speaker_similarity"]
     c = dave["comparison"]["speaker_similarity"]
     assert c["difference"] == 0.0 and c["verdict"] == "within noise" and c["pairs"] == 2 and c["p_value"] == 1.0
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_held_out_clips_from_a_folder(held_out_manifest, tmp_path, nested):
+    """A folder of clips with .txt transcripts (a sub-folder per speaker, else speaker "held_out"); a
+    speaker with one clip is scored against its reference."""
+    import shutil
+
+    folder = tmp_path / "clips" / ("erin" if nested else "")
+    folder.mkdir(parents=True)
+    shutil.copy(held_out_manifest.parent / "dave_000.wav", folder / "one.wav")
+    (folder / "one.txt").write_text("My brother fixed the bicycle in an hour.\n")
+    (plan,) = read_held_out(tmp_path / "clips", ["alice", "bob"])
+    assert plan.name == ("erin" if nested else "held_out") and plan.reference == folder / "one.wav"
+    assert plan.reference_text == "My brother fixed the bicycle in an hour."
+    assert plan.real_clips == [(folder / "one.wav", plan.reference_text)] and not plan.held_out
