@@ -85,6 +85,13 @@ def test_replay_is_mixed_at_its_fraction(replay_data):
     off = make(replay_fraction=0.0)
     off.setup("fit")
     assert len(off.train_dataset) == real and off.replay_dataset is None
+    # A streaming run: its clips stream, the replay records keep the layout they were spoken in.
+    streaming = make(streaming=True)
+    streaming.setup("fit")
+    for i, item in enumerate(streaming.train_dataset.items):
+        mine, plain = streaming.train_dataset[i].sequence, data.train_dataset[i].sequence
+        assert torch.equal(mine.text_ids, plain.text_ids) == item.key.startswith("replay:"), item.key
+    assert streaming.replay_dataset is not None and streaming.replay_dataset.layout is None  # scored non-streaming
 
 
 def test_replay_is_refused_without_built_in_speakers(make_datamodule):
