@@ -1,7 +1,8 @@
 """Replay against forgetting (`tts_lightning.data.replay`), from the tiny CustomVoice model on the demo
 clips: the records are spoken once by the starting model and reused, mixed in at the set fraction,
-refused from a base model; a short fit keeps the built-in speakers' loss with replay on (and shows
-how far it moves without); resume stays exact; ``evaluate`` reports the loss before and after."""
+refused from a base model, kept in their own (non-streaming) layout in a streaming run; a short fit
+keeps the built-in speakers' loss with replay on (and shows how far it moves without); resume stays
+exact (a streaming run's); ``evaluate`` reports the loss before and after."""
 
 import json
 import shutil
@@ -168,8 +169,9 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
 
     cache, make = replay_data
     straight = tmp_path / "straight"
-    _fit(tiny_custom_voice_dir, make(), straight, 3)
-    _fit(tiny_custom_voice_dir, make(), tmp_path / "resumed", 3, ckpt_path=straight / "step=1.ckpt")
+    # In the streaming layout (its exact resume from a custom_voice model), the replay records in theirs.
+    _fit(tiny_custom_voice_dir, make(streaming=True), straight, 3)
+    _fit(tiny_custom_voice_dir, make(streaming=True), tmp_path / "resumed", 3, ckpt_path=straight / "step=1.ckpt")
     final, again = (load_training_checkpoint(d / "step=3.ckpt").state_dict for d in (straight, tmp_path / "resumed"))
     assert final.keys() == again.keys()
     for key, value in final.items():  # resumed mid-epoch with replay records in the batches: the same weights

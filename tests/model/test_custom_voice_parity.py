@@ -121,7 +121,9 @@ def test_batch_mixes_instructs_and_padding(setup):
     assert not batch.speaker_mask.any()  # the speaker is a codec row, nothing added on top
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["non_streaming", "streaming"])
+@pytest.mark.parametrize(
+    "streaming", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["non_streaming", "streaming"]
+)
 def test_module_loss_equals_official_custom_voice_nll(built, streaming):
     model, data, batch, official = built(streaming)
     assert data.layout.streaming == streaming and len(set(batch.attention_mask.sum(1).tolist())) == len(CLIPS)
