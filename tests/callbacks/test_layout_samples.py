@@ -223,18 +223,19 @@ def test_custom_voice_streaming_run_samples_and_predicts_as_generate_custom_voic
     # predict: the same layout, with the pretrained directory's sampling settings.
     (batch,) = data.predict_dataloader()
     assert (batch.layout, batch.streaming) == ("xvector", True)
-    module.predict_tools()  # loads the tokenizers (their random init draws from the RNG)
+    # Loads the tokenizers (their random init draws from the RNG); 12 frames instead of the directory's 48 (time).
+    module.predict_tools().generation["max_new_tokens"] = 12
     torch.manual_seed(5)
     predictions = module.eval().predict_step(batch, 0)
-    _, expected = official_custom_voice(official, speakers, TEXTS * 2, languages, 5)
+    _, expected = official_custom_voice(official, speakers, TEXTS * 2, languages, 5, max_new_tokens=12)
     assert [p["speaker"] for p in predictions] == speakers
     for prediction, want in zip(predictions, expected):
         assert torch.equal(prediction["codes"], want)
     # Not vacuous: serena's dialect tag and the streaming layout each change what is said.
     talker.spk_is_dialect["serena"] = False
-    _, no_dialect = official_custom_voice(official, speakers, TEXTS * 2, languages, 5)
+    _, no_dialect = official_custom_voice(official, speakers, TEXTS * 2, languages, 5, max_new_tokens=12)
     talker.spk_is_dialect["serena"] = DIALECT
-    _, non_streaming = official_custom_voice(official, speakers, TEXTS * 2, languages, 5, streaming=False)
+    _, non_streaming = official_custom_voice(official, speakers, TEXTS * 2, languages, 5, False, max_new_tokens=12)
     assert not _same(no_dialect[1], expected[1])
     assert not any(_same(a, b) for a, b in zip(non_streaming, expected))
 
