@@ -51,6 +51,7 @@ from tts_lightning.callbacks.generation_copy import cuda_devices, generation_mod
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
+from tts_lightning.model.custom_voice import spoken_languages
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
 DEFAULT_TEXTS = (
@@ -326,8 +327,6 @@ class SpeakerSamplesCallback(Callback):
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self.facts.language_of(trainer, s) for s, _ in rows]
         if codec_ids is not None:  # a dialect speaker's dialect, as generate_custom_voice tags it
-            from tts_lightning.model.custom_voice import spoken_languages
-
             languages = spoken_languages(cast(Any, model).config.talker_config, [s for s, _ in rows], languages)
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
         limits = [self.facts.frame_limit(trainer, s, self.texts[i]) for s, i in rows]
