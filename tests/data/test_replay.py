@@ -1,7 +1,8 @@
 """Replay against forgetting (`tts_lightning.data.replay`), from the tiny CustomVoice model on the demo
 clips: the records are spoken once by the starting model and reused, mixed in at the set fraction,
-refused from a base model; a short fit keeps the built-in speakers' loss with replay on (and shows
-how far it moves without); resume stays exact; ``evaluate`` reports the loss before and after."""
+refused from a base model, kept in their own (non-streaming) layout in a streaming run; a short fit
+keeps the built-in speakers' loss with replay on (and shows how far it moves without); resume stays
+exact (a streaming run's); ``evaluate`` reports the loss before and after."""
 
 import json
 import shutil
@@ -85,6 +86,13 @@ def test_replay_is_mixed_at_its_fraction(replay_data):
     off = make(replay_fraction=0.0)
     off.setup("fit")
     assert len(off.train_dataset) == real and off.replay_dataset is None
+    # A streaming run: its clips stream, the replay records keep the layout they were spoken in.
+    streaming = make(streaming=True)
+    streaming.setup("fit")
+    for i, item in enumerate(streaming.train_dataset.items):
+        mine, plain = streaming.train_dataset[i].sequence, data.train_dataset[i].sequence
+        assert torch.equal(mine.text_ids, plain.text_ids) == item.key.startswith("replay:"), item.key
+    assert streaming.replay_dataset is not None and streaming.replay_dataset.layout is None  # scored non-streaming
 
 
 def test_replay_is_refused_without_built_in_speakers(make_datamodule):
@@ -161,8 +169,9 @@ def test_replay_resumes_exactly_and_evaluate_reports_forgetting(replay_data, tin
 
     cache, make = replay_data
     straight = tmp_path / "straight"
-    _fit(tiny_custom_voice_dir, make(), straight, 3)
-    _fit(tiny_custom_voice_dir, make(), tmp_path / "resumed", 3, ckpt_path=straight / "step=1.ckpt")
+    # In the streaming layout (its exact resume from a custom_voice model), the replay records in theirs.
+    _fit(tiny_custom_voice_dir, make(streaming=True), straight, 3)
+    _fit(tiny_custom_voice_dir, make(streaming=True), tmp_path / "resumed", 3, ckpt_path=straight / "step=1.ckpt")
     final, again = (load_training_checkpoint(d / "step=3.ckpt").state_dict for d in (straight, tmp_path / "resumed"))
     assert final.keys() == again.keys()
     for key, value in final.items():  # resumed mid-epoch with replay records in the batches: the same weights

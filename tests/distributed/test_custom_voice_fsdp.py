@@ -1,6 +1,9 @@
 """Start from the tiny CustomVoice model and keep its voices: 2 new speakers and a built-in one
 trained with instructs on 2 real FSDP ranks, exported, spoken through the official loader with every
-speaker, with and without an instruct; exact resume in this layout."""
+speaker, with and without an instruct; exact resume in this layout. A shorter run in one process with
+``--data.streaming true``: sampled, exported and spoken in the streaming layout
+(``generate_custom_voice(non_streaming_mode=False)``), with and without an instruct (its exact resume:
+tests/data/test_replay.py)."""
 
 import json
 import shutil
@@ -72,6 +75,17 @@ def _fit(cli, workdir, tiny_custom_voice_dir, run, *extra, check=True):
 def fitted(cli, workdir, tiny_custom_voice_dir):
     _fit(cli, workdir, tiny_custom_voice_dir, "straight")
     return load_training_checkpoint(newest_last(workdir / "straight"))
+
+
+STREAMED_STEPS = 2  # sampled, validated and checkpointed once
+STREAMED = ("--data.streaming", "true", "--trainer.devices", 1, "--trainer.max_steps", STREAMED_STEPS)
+
+
+@pytest.fixture(scope="module")
+def streamed(cli, workdir, tiny_custom_voice_dir):
+    """The run with data.streaming true, in one process, 2 steps (the layout is what differs)."""
+    _fit(cli, workdir, tiny_custom_voice_dir, "streamed", *STREAMED)
+    return load_training_checkpoint(newest_last(workdir / "streamed"))
 
 
 def _start_rows(tiny_custom_voice_dir):
@@ -148,6 +162,34 @@ def test_export_speaks_with_every_speaker_with_and_without_instruct(fitted, work
 
 def _same(a, b):
     return a.shape == b.shape and bool((a == b).all())
+
+
+def test_streaming_run_samples_exports_and_speaks_streaming(streamed, workdir):
+    """Sampled in the streaming layout at validation (on_error raise), then exported and spoken with
+    ``generate_custom_voice(non_streaming_mode=False)``, with and without an instruct."""
+    from qwen_tts import Qwen3TTSModel
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tts_lightning.model.export import export_custom_voice
+
+    ckpt = newest_last(workdir / "streamed")
+    assert streamed.global_step == STREAMED_STEPS
+    assert sorted(streamed.hyper_parameters["speakers"]) == sorted([*NEW, TRAINED])
+    (events,) = list((workdir / "streamed").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events.parent), size_guidance={"audio": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Audio("samples/alice/0")] == [STREAMED_STEPS]
+    model = Qwen3TTSModel.from_pretrained(str(export_custom_voice(ckpt, workdir / "streamed-voice", dtype="fp32")))
+    spoken = {}
+    for instruct, streaming in ((None, True), (INSTRUCT, True), (None, False)):
+        torch.manual_seed(0)
+        layout = {"non_streaming_mode": not streaming, "max_new_tokens": 12}
+        wavs, sr = model.generate_custom_voice(text="Hello there.", speaker="alice", instruct=instruct, **layout)
+        assert sr == 24_000 and wavs[0].ndim == 1 and wavs[0].size > 0, (instruct, streaming)
+        spoken[instruct, streaming] = wavs[0]
+    # Same seed: the instruct and the layout each change what is said (each is read).
+    assert not _same(spoken[None, True], spoken[INSTRUCT, True])
+    assert not _same(spoken[None, True], spoken[None, False])
 
 
 def test_resume_from_last_equals_uninterrupted(fitted, cli, workdir, tiny_custom_voice_dir):

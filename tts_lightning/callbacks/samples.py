@@ -13,7 +13,9 @@ samples that did not end within a limit set from the text's length and the speak
 
 Samples are generated in the layout the run trains (``data.layout``, ``data.streaming``), as
 ``generate_voice_clone`` builds it; an ``icl`` run clones each speaker from the reference clip and
-transcript of its first training clip (`tts_lightning.data.references.speaker_references`).
+transcript of its first training clip (`tts_lightning.data.references.speaker_references`). A run
+from a custom_voice model puts each speaker's codec row in the slot, with a dialect speaker's dialect
+as the language: the prompt ``generate_custom_voice(non_streaming_mode=not data.streaming)`` builds.
 
 Once, when a run starts from step 0, the same samples are made with the untrained weights: the base
 model cloning each speaker zero-shot from its x-vector (the speaker embedding the run trains with)
@@ -49,6 +51,7 @@ from tts_lightning.callbacks.generation_copy import cuda_devices, generation_mod
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
+from tts_lightning.model.custom_voice import spoken_languages
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
 DEFAULT_TEXTS = (
@@ -323,6 +326,8 @@ class SpeakerSamplesCallback(Callback):
         references = [prompts[s] for s, _ in rows] if prompts else None
         text_ids = [tokenize_text(text_tokenizer, self.texts[i]) for _, i in rows]
         languages = [self.facts.language_of(trainer, s) for s, _ in rows]
+        if codec_ids is not None:  # a dialect speaker's dialect, as generate_custom_voice tags it
+            languages = spoken_languages(cast(Any, model).config.talker_config, [s for s, _ in rows], languages)
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
         limits = [self.facts.frame_limit(trainer, s, self.texts[i]) for s, i in rows]
         modes = {m: m.training for m in model.modules()}

@@ -39,9 +39,8 @@ from tts_lightning.data.references import generation_layout, references
 from tts_lightning.data.replay import mixed_records, replay_items
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
-from tts_lightning.errors import ConfigError
 from tts_lightning.model.custom_voice import is_custom_voice, speaker_codec_ids, spoken_language, tokenize_instructs
-from tts_lightning.model.layouts import Reference, SequenceLayout
+from tts_lightning.model.layouts import Reference, SequenceLayout, check_custom_voice_layout
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
 
@@ -67,8 +66,9 @@ class SpeakerClipsDataModule(LightningDataModule):
         language: overrides every clip's language ("auto", "english", ...).
         layout: the sequence layout trained: "xvector" (speaker embedding only) or "icl" (also another
             clip of the speaker, codes and transcript, in the prompt); see `tts_lightning.model.layouts`.
+            From a custom_voice model "xvector" only (its speaker is a codec row; no ICL there).
         streaming: train the streaming layout (text fed alongside the frames, `generate_voice_clone`'s
-            default) instead of the non-streaming one.
+            default; ``generate_custom_voice(non_streaming_mode=False)``) instead of the non-streaming one.
         replay_fraction: from a custom_voice model, this share of the training records (0: off) is the
             starting model's own speech of ``replay_texts`` by each built-in speaker, against
             forgetting; validation logs ``val/replay_loss`` on them (`tts_lightning.data.replay`).
@@ -163,6 +163,8 @@ class SpeakerClipsDataModule(LightningDataModule):
         self.predict_speakers = None if predict_speakers is None else list(predict_speakers)
         self.preparer = DataPreparer(self.settings)
         self.preparer.check_replay()  # before any process starts
+        if not self.layout.is_default and is_custom_voice(self.pretrained_info.config):
+            check_custom_voice_layout(self.layout, self.pretrained_info.path)  # ICL is not offered there
         # Set by setup() from files only.
         self._index: PreparedIndex | None = None
         self._speaker_table: Tensor | None = None
@@ -296,8 +298,6 @@ class SpeakerClipsDataModule(LightningDataModule):
         talker = info.config["talker_config"]
         # From a custom_voice model each speaker is a codec-embedding row (tts_lightning.model.custom_voice).
         codec_ids = speaker_codec_ids(talker, names) if is_custom_voice(info.config) else None
-        if codec_ids is not None and not self.layout.is_default:
-            raise ConfigError(f"data.layout {self.layout} is not proven from a custom_voice model; use a *-Base one")
         refs: list[Reference | None] = [None] * len(index.clips)
         if self.layout.needs_reference:
             refs = list(references(index.clips, cache_dir, tokenizer, self.seed))

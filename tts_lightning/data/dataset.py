@@ -13,12 +13,11 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from tts_lightning.data.codec_cache import load_codes
-from tts_lightning.model.layouts import Reference, SequenceLayout, build_layout_sequence
+from tts_lightning.model.layouts import Reference, SequenceLayout, build_layout_sequence, check_custom_voice_layout
 from tts_lightning.model.sequence import (
     SpecialIds,
     TalkerBatch,
     TalkerSequence,
-    build_custom_voice_sequence,
     build_sequence,
     collate,
 )
@@ -36,6 +35,7 @@ class PreparedItem:
     key: str = ""  # a stable name for the clip (its audio path), for logs
     reference: Reference | None = None  # the ICL layout's reference clip
     instruct_ids: tuple[int, ...] = ()  # the tokenised instruct (custom_voice models), none when empty
+    layout: SequenceLayout | None = None  # its own layout, not the run's (replay records: the one they were spoken in)
 
 
 def _codes(c: Tensor | Path) -> Tensor:
@@ -68,37 +68,44 @@ class SpeakerClipsDataset(Dataset):
         if self.layout is not None and not with_speaker:
             raise ValueError(f"layout {self.layout} always has a speaker slot (with_speaker=False is the default's)")
         # From a custom_voice model: speaker index -> the codec id of its row (the custom_voice layout,
-        # proven non-streaming without a reference only).
+        # streaming or not, never with a reference: `layouts.check_custom_voice_layout`).
         self.speaker_codec_ids = None if speaker_codec_ids is None else list(speaker_codec_ids)
         if self.speaker_codec_ids is not None and self.layout is not None:
-            raise ValueError(f"layout {self.layout} is not proven from a custom_voice model")
+            check_custom_voice_layout(self.layout, "this data set")
         # Prefill lengths depend only on the text, language (and reference length); computed once for the sampler.
         self._prefill = [self._build(it, None, None).text_ids.shape[0] for it in self.items]
 
+    def _layout(self, item: PreparedItem) -> SequenceLayout | None:
+        """The item's layout: its own, else the data set's; None for the default."""
+        layout = self.layout if item.layout is None else item.layout
+        return None if layout is None or layout.is_default else layout
+
     def _build(self, item: PreparedItem, codes: Tensor | None, ref_codes: Tensor | None) -> TalkerSequence:
         """The item's sequence; ``ref_codes`` None stands for zeros of the reference's length."""
-        if self.speaker_codec_ids is not None:
-            return build_custom_voice_sequence(
+        layout = self._layout(item)
+        if self.speaker_codec_ids is not None:  # the custom_voice layout of the same
+            return build_layout_sequence(
                 self.ids,
                 list(item.text_ids),
                 codes,
+                layout=layout or SequenceLayout(),
+                language=item.language,
                 speaker_id=self.speaker_codec_ids[item.speaker_index],
                 instruct_ids=item.instruct_ids,
-                language=item.language,
             )
-        if self.layout is None:
+        if layout is None:
             return build_sequence(
                 self.ids, list(item.text_ids), codes, language=item.language, with_speaker=self.with_speaker
             )
         reference = None
-        if self.layout.needs_reference:
+        if layout.needs_reference:
             if item.reference is None:
                 raise ValueError(f"{item.key or 'an item'} has no reference clip, which the icl layout needs")
             if ref_codes is None:
                 ref_codes = torch.zeros(item.reference.frames, self.ids.num_code_groups, dtype=torch.long)
             reference = (list(item.reference.text_ids), ref_codes)
         return build_layout_sequence(
-            self.ids, list(item.text_ids), codes, layout=self.layout, language=item.language, reference=reference
+            self.ids, list(item.text_ids), codes, layout=layout, language=item.language, reference=reference
         )
 
     def __len__(self) -> int:
@@ -123,7 +130,8 @@ class SpeakerClipsDataset(Dataset):
                 f"{item.frames}; the cache changed after prepare, run prepare again"
             )
         ref_codes = None
-        if self.layout is not None and self.layout.needs_reference and item.reference is not None:
+        layout = self._layout(item)
+        if layout is not None and layout.needs_reference and item.reference is not None:
             ref_codes = _codes(item.reference.codes)
             if ref_codes.shape[0] != item.reference.frames:
                 raise RuntimeError(

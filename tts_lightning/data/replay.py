@@ -13,7 +13,8 @@ so a rerun with the same settings reuses them and other settings get a folder of
 The data module then adds these records to the training clips as records of the built-in speaker
 (`mixed_records`): ``fraction`` of the training records, cycling through them in order, so the
 epoch's batches stay a function of the seed (exact resume holds). Validation scores them all once
-more as ``val/replay_loss``.
+more as ``val/replay_loss``. They keep the layout they were spoken in (non-streaming custom_voice)
+in a run of ``data.streaming: true`` too: see docs/replay.md.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def replay_items(preparer, tokenizer, names: Sequence[str]) -> tuple[list[int], 
     codec ids of the speakers they add: a built-in speaker the run trains is its speaker index, one
     it does not is a new index after the run's (``len(names) + k``), whose codec row is its own."""
     from tts_lightning.data.dataset import PreparedItem
+    from tts_lightning.model.layouts import SequenceLayout
     from tts_lightning.model.sequence import tokenize_texts
 
     _, records = read_records(preparer.replay_folder())
@@ -229,6 +231,9 @@ def replay_items(preparer, tokenizer, names: Sequence[str]) -> tuple[list[int], 
             speaker_index=index[r.speaker.lower()],
             language=r.language,
             key=f"replay:{r.codes}",
+            # In the layout they were spoken in, whatever the run's (docs/replay.md): the starting
+            # model's own non-streaming speech, whose loss is then generation's NLL of its own draw.
+            layout=SequenceLayout(),
         )
         for r, ids in zip(records, texts)
     ]

@@ -75,6 +75,17 @@ def spoken_language(talker_config: Mapping[str, Any], speaker: str, language: st
     return language
 
 
+def spoken_languages(talker_config: Any, speakers: Sequence[str], languages: Sequence[str]) -> list[str]:
+    """`spoken_language` per row, from a ``talker_config`` dict or the model's config object: what
+    generation with the speaker's row in the slot (samples, ``predict``) must pass as the language
+    to say what ``generate_custom_voice`` says for that speaker."""
+    dialects = talker_config.get("spk_is_dialect") if isinstance(talker_config, Mapping) else None
+    if dialects is None and not isinstance(talker_config, Mapping):
+        dialects = getattr(talker_config, "spk_is_dialect", None)
+    table = {"spk_is_dialect": dialects or {}}
+    return [spoken_language(table, s, lang or "auto") for s, lang in zip(speakers, languages)]
+
+
 def check_instructs(info, clips) -> None:
     """Refuse ``instruct`` records where generation would not read them: a base model (voice clone
     has no instruct) or a 0.6B CustomVoice (``generate_custom_voice`` drops it for "0b6")."""

@@ -4,7 +4,9 @@ The speaker goes in as a voice-clone prompt (the raw speaker embedding in the sp
 layout the run trained (`tts_lightning.model.layouts.SequenceLayout`, default x-vector non-streaming):
 `voice_clone_inputs` maps it to ``generate``'s arguments as ``generate_voice_clone`` builds them
 (``icl``: the reference codes and transcript, ``x_vector_only_mode=False``; streaming:
-``non_streaming_mode=False``).
+``non_streaming_mode=False``). A run from a custom_voice model passes its speakers' codec rows and
+their `custom_voice.spoken_languages`: ``generate`` then builds what ``generate_custom_voice`` builds
+for the same speaker (the same row in the slot; ``non_streaming_mode`` from the layout alike).
 
 Two traps are handled here rather than at every call site:
 

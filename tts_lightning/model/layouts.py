@@ -14,12 +14,19 @@ Every layout shares the prefix of `tts_lightning.model.sequence` up to and inclu
   zipped position by position (text padded with ``tts_pad``); text left over goes on the frames.
   The last reference frame predicts code 0 of the first target frame.
 
+From a ``custom_voice`` model (``generate_custom_voice``) the speaker slot holds the speaker's
+``codec_embedding`` row and an instruct may come first (`sequence.as_custom_voice`); generate builds
+the rest as for an x-vector, streaming (``non_streaming_mode=False``) or not. ICL is not offered
+there (`check_custom_voice_layout`).
+
 Only layouts whose loss is proven equal to the official generation's NLL
-(tests/model/test_loss_parity.py) are offered: `SequenceLayout` refuses any other.
+(tests/model/test_loss_parity.py; from a custom_voice model tests/model/test_custom_voice_parity.py)
+are offered: `SequenceLayout` and `check_custom_voice_layout` refuse any other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +39,14 @@ from tts_lightning.model.sequence import (
     NO_CODEC,
     SpecialIds,
     TalkerSequence,
+    as_custom_voice,
     build_sequence,
 )
 
 # (layout, streaming) pairs proven by tests/model/test_loss_parity.py; nothing else is offered.
 PROVEN = {("xvector", False), ("xvector", True), ("icl", False), ("icl", True)}
+# From a custom_voice model: proven by tests/model/test_custom_voice_parity.py.
+PROVEN_CUSTOM_VOICE = {("xvector", False), ("xvector", True)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,17 @@ class SequenceLayout:
     @property
     def needs_reference(self) -> bool:
         return self.layout == "icl"
+
+
+def check_custom_voice_layout(layout: SequenceLayout, model: object) -> None:
+    """Refuse a layout not offered from a custom_voice ``model`` (its path, for the message)."""
+    if (layout.layout, bool(layout.streaming)) in PROVEN_CUSTOM_VOICE:
+        return
+    raise ConfigError(
+        f"data.layout {layout.layout!r} is not offered from a custom_voice model ({model}): generate_voice_clone "
+        "refuses non-base models and a CustomVoice model has no speaker encoder; use data.layout xvector "
+        "(data.streaming true or false) or start from a *-Base model"
+    )
 
 
 @dataclass(frozen=True)
@@ -186,10 +207,17 @@ def build_layout_sequence(
     layout: SequenceLayout,
     language: str | None = "auto",
     reference: tuple[list[int], Tensor] | None = None,
+    speaker_id: int | None = None,
+    instruct_ids: Sequence[int] = (),
 ) -> TalkerSequence:
     """The talker sequence of one clip in ``layout`` (the default one is `sequence.build_sequence`'s,
     unchanged). ``reference``: (content ids of the reference transcript, reference codes (R, G)),
-    needed by ``icl``. ``codes`` None gives the prefill alone."""
+    needed by ``icl``. ``codes`` None gives the prefill alone. ``speaker_id`` (a codec id): the
+    custom_voice layout of the same (`sequence.as_custom_voice`), with ``instruct_ids`` first."""
+    if speaker_id is not None:
+        check_custom_voice_layout(layout, "the custom_voice layout")
+        seq = build_layout_sequence(ids, text_ids, codes, layout=layout, language=language)
+        return as_custom_voice(seq, speaker_id, instruct_ids)
     if layout.is_default:
         return build_sequence(ids, text_ids, codes, language=language)
     G = ids.num_code_groups

@@ -21,6 +21,7 @@ from tts_lightning.model.custom_voice import (
     TRAINABLE_TYPES,
     custom_voice_speakers,
     initial_rows,
+    spoken_languages,
     without_decay_of_codec_embedding,
 )
 from tts_lightning.model.generation import (
@@ -402,9 +403,11 @@ class Qwen3TTSModule(L.LightningModule):
         table = self.speaker_embeddings
         index = torch.tensor([rows[s] for s in batch.speakers], dtype=torch.long, device=table.device)
         embeddings = table[index].float()
+        languages = batch.languages
         if self.speaker_codec_ids is not None:  # the rows themselves: what spk_id selects after export
             weight = cast(nn.Embedding, cast(Any, self.talker).get_input_embeddings()).weight
             embeddings = weight[[self.speaker_codec_ids[rows[s]] for s in batch.speakers]].detach().float()
+            languages = spoken_languages(cast(Any, self.model).config.talker_config, batch.speakers, languages)
         empty = sorted({s for s, e in zip(batch.speakers, embeddings) if not bool(e.abs().sum() > 0)})
         if empty:
             raise ConfigError(
@@ -421,7 +424,7 @@ class Qwen3TTSModule(L.LightningModule):
             self.model,
             [tokenize_text(tools.text_tokenizer, t) for t in batch.texts],
             embeddings,
-            batch.languages,
+            languages,
             layout=layout,
             references=prompts,
             **tools.generation,

@@ -292,8 +292,16 @@ def build_custom_voice_sequence(
     codec embedding) and an instruct, when given, comes first as text-only positions
     (``text_projection`` of the tokenised `tts_lightning.model.custom_voice.instruct_text`, no codec
     channel, no target). ``language`` is the tag generation uses (a dialect speaker's dialect:
-    `tts_lightning.model.custom_voice.spoken_language`)."""
+    `tts_lightning.model.custom_voice.spoken_language`). The streaming one:
+    `tts_lightning.model.layouts.build_layout_sequence` with ``speaker_id``."""
     seq = build_sequence(ids, text_ids, codes, language=language, with_speaker=True)
+    return as_custom_voice(seq, speaker_id, instruct_ids)
+
+
+def as_custom_voice(seq: TalkerSequence, speaker_id: int, instruct_ids: Sequence[int] = ()) -> TalkerSequence:
+    """An x-vector sequence (any layout with a speaker slot) as ``generate`` builds it with
+    ``speakers`` and ``instruct_ids``: the slot's codec channel is the speaker's row, and the instruct
+    goes first (text only, no target). Generation builds the rest of the prompt alike either way."""
     seq.codec_ids[seq.speaker_position, 0] = speaker_id
     n = len(instruct_ids)
     if not n:
