@@ -202,6 +202,9 @@ def test_plan_command_exit_codes(capsys):
     assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "FITS" in out and "optimizer states" in out
+    # The options list says what adamw4bit costs in quality (docs/benchmarks.md), on its line only.
+    caveats = [line for line in out.splitlines() if "prefer adamw8bit" in line]
+    assert [line.split()[0] for line in caveats] == ["adamw4bit"]
     assert plan_command(["--model", "1.7b", "--gpus", "4", "--gpu-memory", "16", "--no-activation-checkpointing"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "activation checkpointing" in out

@@ -12,7 +12,7 @@ import sys
 
 from tts_lightning.distributed.memory import DEFAULT_FREEZE, PRECISIONS, PRESETS, SHARDINGS
 from tts_lightning.errors import ConfigError
-from tts_lightning.model.optimizers import OPTIMIZERS
+from tts_lightning.model.optimizers import CAVEATS, OPTIMIZERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=OPTIMIZERS,
         default="adamw",
-        help="model.optimizer: adamw (fp32 states), adamw8bit / adamw4bit (quantized moments), bf16_sr / "
-        "bf16_sr_adamw8bit (bf16 weights, stochastic rounding; bf16-mixed only)",
+        help="model.optimizer: adamw (fp32 states), adamw8bit / adamw4bit (quantized moments; 4 bits trains "
+        "slower), bf16_sr / bf16_sr_adamw8bit (bf16 weights, stochastic rounding; bf16-mixed only)",
     )
     return parser
 
@@ -140,7 +140,8 @@ def options_summary(plan) -> str:
         trial = plan_memory(model, advise=False, **vars(replace(settings, optimizer=name, precision=precision)))
         verdict = "fits" if trial.fits else "does not fit"
         marker = " <- this plan" if name == plan.optimizer and precision == plan.precision else ""
-        lines.append(f"  {name:<18} {trial.total / 2**30:6.1f} GiB per GPU, {verdict}{marker}")
+        caveat = f" ({CAVEATS[name]})" if name in CAVEATS else ""
+        lines.append(f"  {name:<18} {trial.total / 2**30:6.1f} GiB per GPU, {verdict}{caveat}{marker}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,10 @@
 - ``adamw8bit`` / ``adamw4bit``: torchao's AdamW8bit / AdamW4bit: the same fp32 weights and
   gradients, the two moments quantized block-wise (2 bytes per parameter plus one fp32 scale per
   256-value block; 1 byte plus one per 128). Pieces under 4096 values keep fp32 moments (torchao).
+  adamw4bit trains slower (`CAVEATS`): its 4-bit first moment is rounded to the nearest of 16 levels
+  of its block's largest value at every step, and the rounding errors accumulate (a relative error
+  of 0.67 by step 60 on the tiny demo); its 4-bit second moment alone costs little
+  (benchmarks/optimizer_4bit_moments.py, docs/benchmarks.md).
 - ``bf16_sr``: bf16 weights and gradients, bf16 moments (torchao's AdamW, as its README's
   ``bf16_stochastic_round=True`` example), the update computed in fp32 and rounded stochastically.
 - ``bf16_sr_adamw8bit``: bf16 weights and gradients with 8-bit moments: the least memory.
@@ -33,6 +37,8 @@ from tts_lightning.errors import ConfigError
 
 OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "bf16_sr", "bf16_sr_adamw8bit"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+# What an option costs in quality, measured (docs/benchmarks.md), for `tts-lightning plan` to say beside it.
+CAVEATS = {"adamw4bit": "trains slower than the others (4-bit first moment): prefer adamw8bit"}
 
 
 def weights_dtype(name: str) -> torch.dtype:
