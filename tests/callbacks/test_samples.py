@@ -69,11 +69,13 @@ class RNGProbe(Callback):
 
 @pytest.mark.slow  # a fit with two sampling validations: over a minute of `make test-fast` under load
 @needs_resemblyzer
-def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodule, tmp_path):
+def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodule, held_out_manifest, tmp_path):
     L.seed_everything(0)
     data = make_datamodule()
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
-    samples = SpeakerSamplesCallback(every_n_val_epochs=2, texts=TEXTS, max_new_tokens=24, seed=0)
+    samples = SpeakerSamplesCallback(
+        every_n_val_epochs=2, texts=TEXTS, max_new_tokens=24, seed=0, held_out=str(held_out_manifest)
+    )
     before, after = RNGProbe(), RNGProbe()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -109,7 +111,58 @@ def test_single_process_fit_logs_samples_and_similarity(tiny_dir, make_datamodul
     assert "val/speaker_similarity" in trainer.callback_metrics
     assert module.training  # back in train mode
     check_pace_and_baseline(acc, runs=2)
-    assert set(samples.baseline_values) == {"speaker_similarity", "speaking_rate_ratio", "eos_failure_rate"}
+    assert set(samples.baseline_values) == {
+        "speaker_similarity",
+        "speaking_rate_ratio",
+        "eos_failure_rate",
+        "zero_shot_similarity",
+    }
+    check_zero_shot(acc, tiny_dir, held_out_manifest, samples, steps=[2, 4])
+
+
+def check_zero_shot(acc, tiny_dir, manifest, samples, steps):
+    """The held-out speaker cloned at every round, and before training (step 0, the baseline round):
+    the step-0 clones are what the official ICL ``generate_voice_clone`` of the untrained model gives
+    from dave's first clip and transcript (same texts, seed and cap), scored against dave's other clip."""
+    import json
+
+    from qwen_tts import Qwen3TTSModel
+
+    from tts_lightning.data.audio import load_audio
+    from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity, reference_embedding
+
+    # Through Lightning, with val/speaker_similarity (at the step Lightning picks); per speaker at the
+    # samples' step; the value before training once, at step 0, with the untrained weights' clones.
+    events = acc.Scalars("val/zero_shot_similarity")
+    assert [e.step for e in events] == [e.step for e in acc.Scalars("val/speaker_similarity")]
+    assert all(-1.0 <= e.value <= 1.0 for e in events)
+    assert [e.step for e in acc.Scalars("val/zero_shot_similarity/dave")] == steps
+    (before,) = acc.Scalars("val/zero_shot_similarity_before")
+    assert before.step == 0 and before.value == pytest.approx(samples.baseline_values["zero_shot_similarity"])
+    assert [e.step for e in acc.Scalars("val/zero_shot_similarity_before/dave")] == [0]
+    logged = []
+    for i in range(len(TEXTS)):
+        clips = acc.Audio(f"zero_shot_samples/dave/{i}")
+        assert [e.step for e in clips] == [0, *steps] and clips[0].sample_rate == 24_000
+        logged.append(sf.read(io.BytesIO(clips[0].encoded_audio_string), dtype="float32")[0])
+    assert len(acc.Audio("real/dave")) == 1  # the reference, once
+
+    first, other = [json.loads(line) for line in manifest.read_text().splitlines()]
+    official = Qwen3TTSModel.from_pretrained(str(tiny_dir))
+    prompt = official.create_voice_clone_prompt(
+        ref_audio=str(manifest.parent / first["audio"]), ref_text=first["text"], x_vector_only_mode=False
+    )
+    torch.manual_seed(0)
+    wavs, _ = official.generate_voice_clone(
+        text=TEXTS, language=["english"] * 2, voice_clone_prompt=prompt * 2, max_new_tokens=25
+    )
+    for got, wav in zip(logged, wavs):
+        assert got.shape == wav.shape
+        np.testing.assert_allclose(got, np.clip(wav, -1, 1), atol=2 / 32768)
+    reference = reference_embedding([load_audio(manifest.parent / other["audio"], 24_000).numpy()], 24_000)
+    metric = SpeakerSimilarity(sample_rate=24_000)
+    metric.update(list(wavs), reference)
+    assert before.value == pytest.approx(float(metric.compute()), abs=1e-3)
 
 
 def check_pace_and_baseline(acc, runs):
@@ -204,7 +257,7 @@ def cli_data_args(tiny_dir, demo_data):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(run_cli, tiny_dir, demo_data):
+def fsdp_run(run_cli, tiny_dir, demo_data, held_out_manifest):
     """`tts-lightning fit` on 2 FSDP ranks with the callback; a deadlock fails on the timeout (the
     shared launcher, tests/conftest.py, kills every rank then, not only the launcher)."""
     if similarity_unavailable() is not None:
@@ -231,6 +284,8 @@ def fsdp_run(run_cli, tiny_dir, demo_data):
         "[" + ", ".join(TEXTS) + "]",
         "--trainer.callbacks.max_new_tokens",
         24,
+        "--trainer.callbacks.held_out",
+        held_out_manifest,
         # The checkpoint monitors the similarity: all ranks must have logged it, or this fails.
         "--checkpoint.monitor",
         "val/speaker_similarity",
@@ -253,6 +308,11 @@ def test_fsdp_fit_with_samples_does_not_deadlock(fsdp_run, tiny_dir, make_datamo
     (score,) = acc.Scalars("val/speaker_similarity")  # logged once, the same on both ranks
     assert -1.0 <= score.value <= 1.0
     check_pace_and_baseline(acc, runs=1)
+    # The held-out speaker, cloned by rank 0's gathered copy: before training and at the sampled round.
+    assert [e.step for e in acc.Audio("zero_shot_samples/dave/0")] == [0, 4]
+    (before,) = acc.Scalars("val/zero_shot_similarity_before")
+    (now,) = acc.Scalars("val/zero_shot_similarity")
+    assert before.step == 0 and -1.0 <= before.value <= 1.0 and -1.0 <= now.value <= 1.0
     checkpoints = [p for p in run.rglob("step*") if "-sim" in p.name]
     assert checkpoints, "ModelCheckpoint did not save on the monitored metric"
 
@@ -408,6 +468,22 @@ def test_monitoring_similarity_it_cannot_log_is_refused_before_training(monkeypa
         callback.setup(trainer("val/speaker_similarity"), None, "fit")
     callback.setup(trainer("val/loss"), None, "fit")  # the loss needs no scorer
     callback.setup(trainer("val/speaker_similarity"), None, "validate")  # nothing is kept by validate
+
+
+def test_held_out_needs_a_base_model(tiny_dir, tiny_custom_voice_dir, held_out_manifest):
+    """A run from a CustomVoice model has no speaker encoder to clone held-out speakers with: refused
+    at setup, before training, in one line."""
+    from tts_lightning.errors import ConfigError
+
+    module = Qwen3TTSModule(str(tiny_custom_voice_dir), speakers=SPEAKERS)
+    samples = SpeakerSamplesCallback(texts=TEXTS, held_out=str(held_out_manifest))
+    trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[samples])
+    with pytest.raises(ConfigError, match=r"held_out: .* is a CustomVoice model, .* needs a run from a Base model"):
+        samples.setup(trainer, module, "fit")
+    # The manifest read as evaluate reads it: a speaker the run trains on is not held out.
+    base = Qwen3TTSModule(str(tiny_dir), speakers=[*SPEAKERS, "dave"])
+    with pytest.raises(ConfigError, match=r"held_out .*held_out.jsonl: speaker\(s\) \['dave'\] are in the run's data"):
+        samples.setup(trainer, base, "fit")
 
 
 @pytest.mark.slow  # a 2-rank fit

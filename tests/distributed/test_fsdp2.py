@@ -157,7 +157,7 @@ def run_args(workdir, tiny_dir, run):
 TEXTS = ["Good morning.", "See you soon."]
 
 
-def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, workdir, tiny_dir):
+def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, workdir, tiny_dir, held_out_manifest):
     """`validate` reports the val/loss logged when the checkpoint was saved, and SpeakerSamplesCallback
     speaks with the full weights gathered from both ranks' DTensor shards: the very audio a plain
     model loaded from the checkpoint generates with the same seed."""
@@ -189,6 +189,8 @@ def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, 
         24,
         "--trainer.callbacks.similarity",
         "false",
+        "--trainer.callbacks.held_out",  # cloned by the copy gathered from the DTensor shards too
+        held_out_manifest,
         cwd=workdir,
         timeout=600,
     )
@@ -197,6 +199,7 @@ def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, 
     acc.Reload()
     (reported,) = acc.Scalars("val/loss")
     assert abs(reported.value - logged) < 1e-4, (reported.value, logged)
+    assert len(acc.Audio("zero_shot_samples/dave/0")) == 1  # validate: the one round, no "before"
 
     checkpoint = load_training_checkpoint(ckpt)
     speakers = checkpoint.hyper_parameters["speakers"]

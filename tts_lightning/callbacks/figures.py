@@ -109,3 +109,19 @@ def log_samples(
     for (speaker, i), heard in zip(rows, transcripts or []):  # what the recognizer heard
         writer.add_text(f"{samples}/{speaker}/{i}/transcript", heard or "(nothing)", step)
     writer.flush()
+
+
+def tensorboard_loggers(trainer, warn) -> list:
+    """The trainer's TensorBoard loggers (the only ones that take audio); ``warn(key, message)`` says
+    once when there is none."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    found = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    if not found:
+        names = ", ".join(type(lg).__name__ for lg in trainer.loggers) or "none"
+        warn(
+            "logger",
+            f"SpeakerSamplesCallback logs audio and spectrograms to TensorBoard only; "
+            f"the trainer has no TensorBoardLogger (loggers: {names}), so none are logged",
+        )
+    return found

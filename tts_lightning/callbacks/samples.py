@@ -24,6 +24,10 @@ their audio as ``baseline_samples/...``): the line the fine-tuned voice has to b
 ``stop_below_baseline=N`` training stops when the similarity stays below the baseline's for N
 sampled validations in a row.
 
+With ``held_out`` (`tts_lightning.callbacks.held_out`) every round also clones held-out speakers
+zero-shot (ICL) and logs ``zero_shot_samples/...`` and ``val/zero_shot_similarity``; "before" is the
+baseline round's (the untrained weights'), once at step 0: ``val/zero_shot_similarity_before``.
+
 Every rank takes part in gathering the weights into a plain copy on rank 0 (`generation_copy`),
 which generates and decodes with no collective inside; then every rank takes part in one broadcast
 of rank 0's result and logs the same key, so the metric's epoch-end reduction is entered by all
@@ -40,14 +44,15 @@ from __future__ import annotations
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from tts_lightning.callbacks.figures import log_samples
+from tts_lightning.callbacks.figures import log_samples, tensorboard_loggers
 from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, speech_tokenizer_on
+from tts_lightning.callbacks.held_out import BEFORE as HELD_OUT_BEFORE
+from tts_lightning.callbacks.held_out import HeldOutVoices
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
@@ -67,6 +72,7 @@ METRICS = {
     "eos_failure_rate": EOS_NAME,
     "cer": "val/cer",  # with asr only
     "wer": "val/wer",
+    "zero_shot_similarity": "val/zero_shot_similarity",  # with held_out only
 }
 BASELINE_PREFIX = "baseline/"
 FAILED: dict[str, float | None] = {}  # what a failed sampling round returns (compared by identity)
@@ -96,6 +102,9 @@ class SpeakerSamplesCallback(Callback):
             or scoring fails.
         asr: None (default), "pocketsphinx" or a Whisper checkpoint (hub name or folder): transcribe
             the samples and log ``val/cer`` and ``val/wer`` (as ``evaluate --asr`` scores them).
+        held_out: None (default) or a manifest of held-out speakers (as ``evaluate --held-out``): clone
+            them zero-shot (ICL) every round and log ``val/zero_shot_similarity`` (the untrained weights'
+            once as ``val/zero_shot_similarity_before``). Refused (ConfigError) from a CustomVoice model.
     """
 
     def __init__(
@@ -112,6 +121,7 @@ class SpeakerSamplesCallback(Callback):
         limit_factor: float = 3.0,
         on_error: Literal["skip", "raise"] = "skip",
         asr: str | None = None,
+        held_out: str | None = None,
     ) -> None:
         if every_n_val_epochs < 1:
             raise ValueError(f"every_n_val_epochs must be >= 1, got {every_n_val_epochs}")
@@ -136,6 +146,7 @@ class SpeakerSamplesCallback(Callback):
         self.on_error = on_error
         self.asr = asr
         self.intelligibility = None if asr is None else SampleIntelligibility(asr)
+        self.held_out = None if held_out is None else HeldOutVoices(held_out)
         self.baseline = baseline
         self.stop_below_baseline = stop_below_baseline
         self.limit_factor = float(limit_factor)
@@ -182,6 +193,8 @@ class SpeakerSamplesCallback(Callback):
         """Refuse, before training, a checkpoint monitor this callback cannot feed: without the
         similarity scorer ``val/speaker_similarity`` is never logged, and `ModelCheckpoint` would fail
         after the first validation. Decided the same way on every rank."""
+        if self.held_out is not None:  # a CustomVoice start, a bad manifest: refused here, on every rank
+            self.held_out.check(pl_module)
         if stage != "fit":
             return
         if self.intelligibility is not None:
@@ -206,9 +219,9 @@ class SpeakerSamplesCallback(Callback):
         here (``trainer.ckpt_path`` is set): no baseline then. FSDP restores after this hook, so the
         weights here are still the base model's and the baseline is right (the saved one, when there
         is one, replaces it on restore)."""
-        if not self.baseline or self.baseline_values is not None or trainer.ckpt_path is not None:
+        if not (self.baseline or self.held_out) or self.baseline_values is not None or trainer.ckpt_path is not None:
             return
-        loggers = self._tensorboard_loggers(trainer)
+        loggers = tensorboard_loggers(trainer, self._warn_once)
         scoring = self.similarity and self._similarity_available()
         if not loggers and not scoring and self.intelligibility is None:
             return
@@ -225,7 +238,7 @@ class SpeakerSamplesCallback(Callback):
             return
         # Decided identically on every rank (same loggers, same environment): no collective is
         # skipped by one rank and entered by another.
-        loggers = self._tensorboard_loggers(trainer)
+        loggers = tensorboard_loggers(trainer, self._warn_once)
         scoring = self.similarity and self._similarity_available()
         if not loggers and not scoring and self.intelligibility is None:
             return
@@ -243,7 +256,8 @@ class SpeakerSamplesCallback(Callback):
 
     def _metric_keys(self, scoring: bool) -> list[str]:
         """The metrics a sampling round logs: similarity when scored, CER / WER with asr."""
-        skip = set() if scoring else {"speaker_similarity"}
+        skip = set() if scoring else {"speaker_similarity", "zero_shot_similarity"}
+        skip |= set() if self.held_out else {"zero_shot_similarity"}
         return [k for k in METRICS if k not in skip and (k not in ("cer", "wer") or self.intelligibility)]
 
     def _check_baseline(self, trainer: pl.Trainer, values: dict[str, float | None]) -> None:
@@ -277,7 +291,7 @@ class SpeakerSamplesCallback(Callback):
             with generation_model(trainer, pl_module) as model:
                 if model is not None:
                     with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
-                        generated = self._generate(trainer, pl_module, model)
+                        generated = self._generate(trainer, pl_module, model, baseline)
         except Exception as exc:  # raised on every rank below, after the broadcast
             error = exc
         if generated is not None:  # rank 0, the generation copy freed
@@ -306,8 +320,26 @@ class SpeakerSamplesCallback(Callback):
         return FAILED
 
     # -- rank 0 ---------------------------------------------------------------------------------
-    def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
-        """(rows, codes) for every (speaker, text), or None when no speaker has an embedding yet."""
+    def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module, baseline: bool):
+        """(the run's speakers' samples, the held-out clones), each None when not made; None for neither.
+        A baseline round without ``baseline`` makes the held-out clones alone."""
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        try:
+            with torch.no_grad():
+                own = self._generate_own(trainer, pl_module, model) if self.baseline or not baseline else None
+                held = None
+                if self.held_out is not None:
+                    tokenizers = (self._text_tokenizer(pl_module), self._speech_tokenizer(pl_module))
+                    options = {"seed": self.seed, "max_new_tokens": self.max_new_tokens}
+                    held = self.held_out.generate(pl_module, model, tokenizers, self.texts, **options)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        return None if own is None and held is None else (own, held)
+
+    def _generate_own(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module) -> tuple | None:
+        """(rows, codes, ...) for every (speaker, text), or None when no speaker has an embedding yet."""
         speakers, embeddings = self.facts.speaker_rows(trainer, pl_module)
         if not speakers:
             return None
@@ -330,46 +362,51 @@ class SpeakerSamplesCallback(Callback):
             languages = spoken_languages(cast(Any, model).config.talker_config, [s for s, _ in rows], languages)
         row_embeddings = torch.stack([embeddings[speakers.index(s)] for s, _ in rows])
         limits = [self.facts.frame_limit(trainer, s, self.texts[i]) for s, i in rows]
-        modes = {m: m.training for m in model.modules()}
-        model.eval()
-        try:
-            with torch.no_grad():
-                codes = generate_codes(
-                    model,
-                    text_ids,
-                    row_embeddings,
-                    languages,
-                    max_new_tokens=max_new_tokens_for(max(limits)),
-                    seed=self.seed,
-                    dtype=cast(Any, model.talker).get_input_embeddings().weight.dtype,
-                    layout=layout,
-                    references=references,
-                )
-        finally:
-            for module, training in modes.items():
-                module.training = training
+        codes = generate_codes(
+            model,
+            text_ids,
+            row_embeddings,
+            languages,
+            max_new_tokens=max_new_tokens_for(max(limits)),
+            seed=self.seed,
+            dtype=cast(Any, model.talker).get_input_embeddings().weight.dtype,
+            layout=layout,
+            references=references,
+        )
         failures = [hit_frame_limit(c.shape[0], limit) for c, limit in zip(codes, limits)]
         prefixes = [c for _, c in references] if references else None  # decoded before the samples
         return rows, [c[:limit] for c, limit in zip(codes, limits)], failures, prefixes
 
-    def _log_and_score(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        generated: tuple,
-        loggers: list,
-        scoring: bool,
-        *,
-        baseline: bool = False,
-    ) -> dict[str, float | None]:
+    def _log_and_score(self, trainer, pl_module, generated: tuple, loggers: list, scoring: bool, *, baseline=False):
+        own, held = generated
+        values = {} if own is None else self._log_and_score_own(trainer, pl_module, own, loggers, scoring, baseline)
+        if held is not None and self.held_out is not None:
+            shown = {"texts": self.texts, "scoring": scoring, "before": baseline, "real_logged": self._real_logged}
+            speech, step = self._speech_tokenizer(pl_module), int(trainer.global_step)
+            values["zero_shot_similarity"] = self.held_out.log_and_score(
+                held, speech, pl_module.device, loggers, step, **shown
+            )
+        if baseline:
+            for logger in loggers:
+                for key, value in values.items():
+                    if value is not None:
+                        name = HELD_OUT_BEFORE if key == "zero_shot_similarity" else BASELINE_PREFIX + key
+                        logger.experiment.add_scalar(name, value, int(trainer.global_step))
+                logger.experiment.flush()
+        return values
+
+    def _log_and_score_own(self, trainer, pl_module, generated: tuple, loggers: list, scoring: bool, baseline: bool):
         rows, codes, failures, prefixes = generated
         speech_tokenizer = self._speech_tokenizer(pl_module)
         with speech_tokenizer_on(speech_tokenizer, pl_module.device):
             wavs = decode_codes(speech_tokenizer, codes, prefixes)
         step = int(trainer.global_step)
         names = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
-        scores: dict[str, float] = {}  # per speaker, filled by _score
-        similarity = self._score(trainer, rows, wavs, loggers, step, baseline, scores) if scoring else None
+        similarity, scores = self.facts.similarity(trainer, rows, wavs) if scoring else (None, {})
+        for logger in loggers:
+            for speaker, score in scores.items():
+                name = f"{BASELINE_PREFIX}speaker_similarity" if baseline else METRIC_NAME
+                logger.experiment.add_scalar(f"{name}/{speaker}", score, step)
         real = {s: self.facts.reference_clip(trainer, s) for s in dict.fromkeys(s for s, _ in rows)}
         values: dict[str, float | None] = {
             "speaker_similarity": similarity,
@@ -386,56 +423,9 @@ class SpeakerSamplesCallback(Callback):
         for logger in loggers:
             log_samples(logger.experiment, *logged)
         self._real_logged.update(new_real)
-        if baseline:
-            for logger in loggers:
-                for key, value in values.items():
-                    if value is not None:
-                        logger.experiment.add_scalar(BASELINE_PREFIX + key, value, step)
-                logger.experiment.flush()
         return values
 
-    def _score(self, trainer, rows, wavs, loggers, step, baseline: bool = False, scores=None) -> float | None:
-        from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity
-
-        # Rank 0 alone scores: its metrics must not sync in compute() (a collective the other
-        # ranks never enter). The result reaches them through the broadcast.
-        overall = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
-        for speaker in dict.fromkeys(s for s, _ in rows):
-            generated = [w for (s, _), w in zip(rows, wavs) if s == speaker and w.size and np.abs(w).max() > 0]
-            reference = self.facts.reference_embedding(trainer, speaker)
-            if reference is None or not generated:
-                continue
-            one = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
-            one.update(generated, reference)
-            overall.update(generated, reference)
-            if scores is not None:
-                scores[speaker] = float(one.compute())
-            for logger in loggers:
-                name = f"{BASELINE_PREFIX}speaker_similarity" if baseline else METRIC_NAME
-                logger.experiment.add_scalar(f"{name}/{speaker}", float(one.compute()), step)
-        if int(overall.count) == 0:
-            self._warn_once(
-                "no-score",
-                "SpeakerSamplesCallback: no sample could be scored (no reference clips "
-                "or only empty audio); val/speaker_similarity is not logged",
-            )
-            return None
-        return float(overall.compute())
-
     # -- helpers -----------------------------------------------------------------------------------
-    def _tensorboard_loggers(self, trainer: pl.Trainer) -> list:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        found = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        if not found:
-            names = ", ".join(type(lg).__name__ for lg in trainer.loggers) or "none"
-            self._warn_once(
-                "logger",
-                f"SpeakerSamplesCallback logs audio and spectrograms to TensorBoard only; "
-                f"the trainer has no TensorBoardLogger (loggers: {names}), so none are logged",
-            )
-        return found
-
     def _similarity_available(self) -> bool:
         from tts_lightning.metrics.speaker_similarity import similarity_unavailable
 

@@ -115,6 +115,33 @@ class SpeakerFacts:
             self._references[speaker] = reference_embedding(clips, SAMPLE_RATE)
         return self._references[speaker]
 
+    def similarity(self, trainer: pl.Trainer, rows: list, wavs: list) -> tuple[float | None, dict[str, float]]:
+        """The mean similarity of the audible samples (``rows``: (speaker, text index)) to their
+        speakers' reference clips (None when none could be scored), and per speaker."""
+        from tts_lightning.metrics.speaker_similarity import SpeakerSimilarity
+
+        # Rank 0 alone scores: its metrics must not sync in compute() (a collective the other
+        # ranks never enter). The result reaches them through the broadcast.
+        overall = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
+        scores: dict[str, float] = {}
+        for speaker in dict.fromkeys(s for s, _ in rows):
+            generated = [w for (s, _), w in zip(rows, wavs) if s == speaker and w.size and np.abs(w).max() > 0]
+            reference = self.reference_embedding(trainer, speaker)
+            if reference is None or not generated:
+                continue
+            one = SpeakerSimilarity(sample_rate=SAMPLE_RATE, sync_on_compute=False)
+            one.update(generated, reference)
+            overall.update(generated, reference)
+            scores[speaker] = float(one.compute())
+        if int(overall.count) == 0:
+            self.warn(
+                "no-score",
+                "SpeakerSamplesCallback: no sample could be scored (no reference clips "
+                "or only empty audio); val/speaker_similarity is not logged",
+            )
+            return None, scores
+        return float(overall.compute()), scores
+
     def reference_clip(self, trainer: pl.Trainer, speaker: str) -> np.ndarray | None:
         """The speaker's first reference clip at 24 kHz (what its samples are shown beside), None
         when the prepared index has none or it cannot be read."""
