@@ -42,13 +42,16 @@ demo: install
 	$(CPU_ENV) $(BIN)/tts-lightning synthesize --model runs/tiny-cpu/voice --speaker alice \
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
+# Two pytest-xdist workers: run one after the other the tests left a core idle half the time
+# (most wait on process start-up, imports and collectives); each test file stays on one worker so
+# its module fixtures are built once (tests/conftest.py).
 test: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q --durations=30
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.
 test-fast: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q -m "not slow" --durations=10
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
 
 # The notebooks are stored with the outputs of an executed run; after changing a cell (or what a
 # cell shows), re-execute and store them (tests/test_notebooks.py checks they still match).
