@@ -25,6 +25,16 @@ loop's. Target: lightning / bare <= 1.10 (exit status 1 above it).
     python benchmarks/step_overhead.py [--repeats 8 --steps 12 --warmup 3]   # ~3 minutes on 2 cores
     python benchmarks/step_overhead.py --pairs-only --repeats 24   # bare and lightning only, ~10 minutes
 
+    python benchmarks/step_overhead.py --profile --pairs-only --repeats 8 --steps 6 --warmup 2   # ~5 minutes
+
+``--profile`` splits each step's CPU time into parts, measured inside the step: the bare loop's
+work (forward and loss, backward, the AdamW update, zero_grad), the module's extras (`self.log`
+calls, the accuracies, the speaker-table write) and the rest (the loop around them: Lightning's
+hooks, closure, progress and logger connector, or the bare `for`). What Lightning and the module
+add is the sum of the parts outside the work, minus the bare loop's rest: a few milliseconds
+measured directly, rather than the difference of two noisy ~450 ms steps. The wrappers cost
+microseconds per call (a handful of calls per step).
+
 It also prints the median of the per-repetition ratios (lightning / bare, run back to back) with a
 distribution-free 95% interval of that median (order statistics), which says how far the machine's
 noise leaves the ratio undetermined.
