@@ -1,9 +1,9 @@
 """The training accuracies per codebook, logged with two `self.log` calls per codebook per epoch and
 one per logging step, instead of two per codebook on every step.
 
-Each `self.log` call costs ~0.7 ms of Python in Lightning (`_ResultCollection.log` builds the
+Each `self.log` call costs ~0.4-0.7 ms of Python in Lightning (`_ResultCollection.log` builds the
 metadata and moves the stored result to the value's device on every call): the 32 calls per step
-of 16 codebooks, ``_step`` and ``_epoch``, were ~23 ms of a ~500 ms CPU step in
+of 16 codebooks, ``_step`` and ``_epoch``, were ~13-23 ms of a ~450 ms CPU step in
 ``benchmarks/step_overhead.py --profile`` (docs/benchmarks.md, "The step itself"). Now:
 
 * ``train/acc_codebook_<j>_step`` is logged only on the steps whose values Lightning writes
