@@ -10,7 +10,8 @@ weights:
 * ``bare``: `compute_loss` -> backward -> AdamW.step -> LambdaLR.step (the module's own optimizer and
   schedule), zero_grad(set_to_none); nothing else.
 * ``bare+metrics``: the same plus the rest of the module's step body (speaker-embedding buffer
-  write, the per-codebook accuracies), to tell the module's own metric work from the Trainer's.
+  write, the per-codebook accuracies and their epoch accumulation), to tell the module's own metric
+  work from the Trainer's.
 * ``lightning``: `Trainer.fit` (no logger, checkpointing, progress bar, model summary, validation or
   gradient clipping; the module's `self.log` calls and metric updates run, as in every real run).
 
@@ -23,6 +24,16 @@ loop's. Target: lightning / bare <= 1.10 (exit status 1 above it).
 
     python benchmarks/step_overhead.py [--repeats 8 --steps 12 --warmup 3]   # ~3 minutes on 2 cores
     python benchmarks/step_overhead.py --pairs-only --repeats 24   # bare and lightning only, ~10 minutes
+
+    python benchmarks/step_overhead.py --profile --pairs-only --repeats 8 --steps 6 --warmup 2   # ~5 minutes
+
+``--profile`` splits each step's CPU time into parts, measured inside the step: the bare loop's
+work (forward and loss, backward, the AdamW update, zero_grad), the module's extras (`self.log`
+calls, the accuracies, the speaker-table write) and the rest (the loop around them: Lightning's
+hooks, closure, progress and logger connector, or the bare `for`). What Lightning and the module
+add is the sum of the parts outside the work, minus the bare loop's rest: a few milliseconds
+measured directly, rather than the difference of two noisy ~450 ms steps. The wrappers cost
+microseconds per call (a handful of calls per step).
 
 It also prints the median of the per-repetition ratios (lightning / bare, run back to back) with a
 distribution-free 95% interval of that median (order statistics), which says how far the machine's
@@ -113,24 +124,93 @@ def collect_batches(pretrained: Path, cache: Path, max_frames: int) -> tuple[lis
     return list(data.train_dataloader()), data.speaker_names
 
 
+class Parts:
+    """CPU seconds spent inside chosen functions (``--profile``): each is wrapped so that its calls add
+    their `time.process_time` to a named part. Only functions that never call one another are
+    wrapped, so the parts do not overlap, and what a step spends outside them is its remainder."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, attribute: str, part: str) -> None:
+        original = getattr(owner, attribute)
+        self.totals.setdefault(part, 0.0)
+        self.calls.setdefault(part, 0)
+
+        def timed(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[part] += time.process_time() - start
+                self.calls[part] += 1
+
+        setattr(owner, attribute, timed)
+        self._undo.append((owner, attribute, original))
+
+    def snapshot(self) -> tuple[dict[str, float], dict[str, int]]:
+        return dict(self.totals), dict(self.calls)
+
+
+PARTS: Parts | None = None  # set by --profile
+
+
 class StepClock:
     """Time between consecutive calls of `tick`: wall seconds and CPU seconds of this process. With
     one thread the CPU time is the work done, unaffected by other processes competing for the cores
-    (a shared 2-core machine); wall time is what a user waits."""
+    (a shared 2-core machine); wall time is what a user waits. With ``--profile`` each step also
+    records the CPU seconds and calls of every part (`Parts`)."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.parts: list[dict[str, float]] = []
+        self.calls: list[dict[str, int]] = []
         self.start()
 
     def start(self) -> None:
         self._last = (time.perf_counter(), time.process_time())
+        self._parts = PARTS.snapshot() if PARTS is not None else ({}, {})
 
     def tick(self) -> None:
         now = (time.perf_counter(), time.process_time())
         self.wall.append(now[0] - self._last[0])
         self.cpu.append(now[1] - self._last[1])
         self._last = now
+        if PARTS is not None:
+            totals, calls = PARTS.snapshot()
+            self.parts.append({k: v - self._parts[0][k] for k, v in totals.items()})
+            self.calls.append({k: v - self._parts[1][k] for k, v in calls.items()})
+            self._parts = (totals, calls)
+
+
+def install_parts() -> Parts:
+    """``--profile``: the bare loop's work (forward and loss, backward, the AdamW update, zero_grad)
+    and the module's own extras (`self.log`, the accuracies, the speaker-table write) as parts. The
+    rest of a step is the loop around them: Lightning's (hooks, closure, progress, logger connector)
+    or the bare loop's (`for`, `float(loss)`), with the DataLoader fetch in both."""
+    import lightning as L
+    import torch
+    import torch.optim.adam as adam_file
+
+    import tts_lightning.model.loss as loss_file
+    import tts_lightning.model.module as module_file
+    from tts_lightning.model.module import Qwen3TTSModule
+
+    parts = Parts()
+    parts.wrap(module_file, "compute_loss", "forward+loss")
+    parts.wrap(torch.Tensor, "backward", "backward")
+    parts.wrap(adam_file, "adam", "AdamW update")
+    parts.wrap(torch.optim.Optimizer, "zero_grad", "zero_grad")
+    parts.wrap(L.LightningModule, "log", "self.log")
+    # Wherever the name is imported (the module before issue 30's last change, train_accuracy after).
+    for owner in (loss_file, module_file, sys.modules.get("tts_lightning.model.train_accuracy")):
+        if hasattr(owner, "codebook_accuracy"):
+            parts.wrap(owner, "codebook_accuracy", "accuracies")
+    parts.wrap(Qwen3TTSModule, "_remember_speakers", "speaker table")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run only the bare and lightning arms (more repetitions in the same time)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split each step's CPU time into parts (forward+loss, backward, AdamW, self.log, ...) and the "
+        "loop around them, per arm: the overhead measured inside the step rather than as a difference of steps",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -155,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     import lightning as L
 
+    import tts_lightning.model.loss as loss_file
+    import tts_lightning.model.module as module_file
     from tts_lightning import Qwen3TTSModule
-    from tts_lightning.model.loss import codebook_accuracy, compute_loss
+
+    global PARTS
+    if args.profile:
+        PARTS = install_parts()
 
     work = Path(tempfile.mkdtemp(prefix="step_overhead."))
     try:
@@ -194,15 +285,19 @@ def main(argv: list[str] | None = None) -> int:
                 [p for p in module.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY
             )
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            if with_metrics:
+                from tts_lightning.model.train_accuracy import EpochAccuracy
+
+                epoch_accuracy = EpochAccuracy()
             losses: list[float] = []
             clock = StepClock()
             for batch in loader():
                 if with_metrics:
                     with torch.no_grad():
                         module.speaker_embeddings[batch.speaker_index] = batch.speaker_embedding
-                out = compute_loss(module.talker, batch, SUB_WEIGHT)
+                out = module_file.compute_loss(module.talker, batch, SUB_WEIGHT)
                 if with_metrics:
-                    codebook_accuracy(out)
+                    epoch_accuracy.update(*loss_file.codebook_accuracy(out))
                 optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
                 optimizer.step()
@@ -248,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu: dict[str, list[float]] = {name: [] for name in arms}  # mean step time per repetition
         wall: dict[str, list[float]] = {name: [] for name in arms}
         loss_diff = {name: 0.0 for name in arms}
+        parts: dict[str, list[dict[str, float]]] = {name: [] for name in arms}  # --profile: mean per step
+        calls: dict[str, dict[str, float]] = {}
         print(
             f"model: {params / 1e6:.1f}M parameters (real Qwen3-TTS classes, random weights), fp32, CPU, "
             f"{torch.get_num_threads()} thread; {len(batches)} demo batches of {min(positions)}-{max(positions)} "
@@ -263,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[name].append(statistics.fmean(clock.cpu[args.warmup :]))  # the same batches in every arm
                 wall[name].append(statistics.fmean(clock.wall[args.warmup :]))
                 loss_diff[name] = max(loss_diff[name], max(abs(a - b) for a, b in zip(losses, reference)))
+                if PARTS is not None:
+                    timed = clock.parts[args.warmup :]
+                    mean = {k: statistics.fmean(p[k] for p in timed) for k in timed[0]}
+                    mean["rest of the step"] = cpu[name][-1] - sum(mean.values())
+                    parts[name].append(mean)
+                    calls[name] = {k: statistics.fmean(c[k] for c in clock.calls[args.warmup :]) for k in timed[0]}
             print(
                 f"  repetition {rep + 1}: CPU ms/step "
                 + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in cpu.items())
@@ -301,12 +404,47 @@ def main(argv: list[str] | None = None) -> int:
                 f"lightning / bare+metrics  = {med_cpu['lightning'] / med_cpu['bare+metrics']:.3f} CPU "
                 "(what is left: Trainer loop, hooks, self.log)"
             )
+        if PARTS is not None:
+            print_parts(parts, calls)
         if any(d > 1e-4 for d in loss_diff.values()):
             print("WARNING: the arms did not compute the same losses: the comparison is not like for like")
             return 1
         return 0 if ratio <= 1.10 else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_parts(parts: dict[str, list[dict[str, float]]], calls: dict[str, dict[str, float]]) -> None:
+    """The ``--profile`` table: per arm, each part's CPU ms per step (median over repetitions of the
+    mean over the timed steps) and its calls per step; "lightning - bare" is what Lightning and the
+    module add, part by part."""
+    names = list(parts)
+    rows = list(parts[names[0]][0])
+    med = {arm: {row: 1e3 * statistics.median(p[row] for p in parts[arm]) for row in rows} for arm in names}
+    print("CPU ms per step by part (--profile; median over repetitions), calls per step in brackets:")
+    print(f"  {'':18s}" + "".join(f"{arm:>20s}" for arm in names) + f"{'lightning - bare':>18s}")
+    for row in rows + ["total"]:
+        if row == "total":
+            values = {arm: sum(med[arm].values()) for arm in names}
+        else:
+            values = {arm: med[arm][row] for arm in names}
+        cells = "".join(
+            f"{values[arm]:10.1f} [{calls.get(arm, {}).get(row, 0):5.1f}]  "
+            if row in calls.get(arm, {})
+            else f"{values[arm]:10.1f}{'':10s}"
+            for arm in names
+        )
+        print(f"  {row:18s}{cells}{values['lightning'] - values['bare']:+18.1f}")
+    work = ("forward+loss", "backward", "AdamW update", "zero_grad")
+    outside = {arm: sum(v for row, v in med[arm].items() if row not in work) for arm in names}
+    step = sum(med["bare"].values())
+    added = outside["lightning"] - outside["bare"]
+    print(
+        f"outside the bare loop's work (forward+loss, backward, AdamW, zero_grad): bare {outside['bare']:.1f} ms, "
+        f"lightning {outside['lightning']:.1f} ms per step: Lightning and the module add {added:.1f} ms, "
+        f"{100 * added / step:.1f}% of the bare step ({step:.0f} ms), i.e. lightning / bare = {1 + added / step:.3f} "
+        "with the work itself taking equal time"
+    )
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from tts_lightning.model.train_accuracy import writes_logs
+
 CATEGORY = "codebook accuracy"
 
 
@@ -35,7 +37,10 @@ class CodebookAccuracyChart(Callback):
                 logger.experiment.add_custom_scalars(layout())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
-        self._log_mean(trainer, pl_module, "train", "_step", on_step=True)
+        # Only on the steps Lightning writes: the module logs the step accuracies on those alone, and
+        # reading them back (a GPU stall) on the others would be wasted.
+        if writes_logs(trainer):
+            self._log_mean(trainer, pl_module, "train", "_step", on_step=True)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:

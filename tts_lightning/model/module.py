@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
@@ -34,13 +33,14 @@ from tts_lightning.model.generation import (
 from tts_lightning.model.layouts import reference_prompt_ids
 from tts_lightning.model.loading import MetaWeights, build_empty_model
 from tts_lightning.model.lora import LoRASettings, checkpoint_key, inject_lora, is_adapter_key
-from tts_lightning.model.loss import LossOutput, codebook_accuracy, compute_loss
+from tts_lightning.model.loss import LossOutput, compute_loss
 from tts_lightning.model.optimizers import OptimizerName, build_optimizer, check_optimizer, weights_dtype
 from tts_lightning.model.parameters import DEFAULT_FREEZE as _DEFAULT_FREEZE
 from tts_lightning.model.parameters import matches as _matches
 from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer, load_text_tokenizer
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, check_blocks, split_text_embedding
 from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, tokenize_text
+from tts_lightning.model.train_accuracy import CodebookEpochValue, EpochAccuracy, TrainAccuracyLogging
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PredictTools:
     generation: dict[str, Any]
 
 
-class Qwen3TTSModule(L.LightningModule):
+class Qwen3TTSModule(TrainAccuracyLogging):
     """Talker + code-predictor fine-tuning with the loss of `tts_lightning.model.loss`.
 
     Args:
@@ -161,6 +161,9 @@ class Qwen3TTSModule(L.LightningModule):
                 for stage in ("val_acc", "test_acc")  # training: `_log_train_accuracy`
             }
         )
+        self._train_accuracy = EpochAccuracy()  # train/acc_codebook_<j>_epoch (TrainAccuracyLogging)
+        groups = range(self.num_code_groups)
+        self.train_accuracy_epoch = nn.ModuleList([CodebookEpochValue(self._train_accuracy, j) for j in groups])
 
     # -- construction ------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -318,17 +321,6 @@ class Qwen3TTSModule(L.LightningModule):
             metric.update(logits.detach(), targets)  # computed (and synced) by Lightning at epoch end
             self.log(f"{stage}/acc_codebook_{j}", metric, on_step=False, **once)
         return out.loss
-
-    def _log_train_accuracy(self, out: LossOutput, n: int) -> None:
-        """Per-codebook top-1 accuracy (`codebook_accuracy`: a few device ops). ``_step``: this rank's
-        batch; ``_epoch``: Lightning's mean weighted by the targets counted (a tensor as batch size),
-        which is the accuracy over all the epoch's targets, all-reduced once, at epoch end."""
-        accuracy, counted = codebook_accuracy(out)
-        for j in range(self.num_code_groups):
-            name = f"train/acc_codebook_{j}"
-            self.log(f"{name}_step", accuracy[j], on_step=True, on_epoch=False, batch_size=n)
-            count = cast(int, counted[j])  # a device tensor: Lightning only multiplies and sums it
-            self.log(f"{name}_epoch", accuracy[j], on_step=False, on_epoch=True, sync_dist=True, batch_size=count)
 
     def _logging_step(self) -> bool:
         """Whether this training step's metrics are written (Trainer's ``log_every_n_steps``): the
