@@ -250,10 +250,10 @@ def batch(tiny_dir):
     return collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad)
 
 
-def _wrapped(tiny_dir, precision: str, **strategy_kwargs):
+def _wrapped(tiny_dir, precision: str, adapter=None, **strategy_kwargs):
     from tts_lightning import Qwen3TTSModule
 
-    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"], adapter=adapter)
     module.configure_model()
     # NO_SHARD: what FSDP switches to at world size 1 anyway (said here, so it does not warn).
     strategy = Qwen3TTSFSDPStrategy(
@@ -315,12 +315,16 @@ def test_one_rank_wrap_units_checkpointing_and_bf16(process_group, tiny_dir, bat
     torch.testing.assert_close(out_bf.code_predictor_loss, out32.code_predictor_loss, rtol=1e-2, atol=0)
 
 
-def test_one_rank_predictor_blocks_of_rows_keep_loss_and_gradients(process_group, tiny_dir, batch, monkeypatch):
+@pytest.mark.parametrize("adapter", [None, {"rank": 4}])
+def test_one_rank_predictor_blocks_of_rows_keep_loss_and_gradients(
+    process_group, tiny_dir, batch, monkeypatch, adapter
+):
     """Through the real FSDP1 wrap: the batch's 65 frames recomputed in blocks of 16 rows (and one
-    of 1) give the loss and gradients of one block."""
+    of 1) give the loss and gradients of one block; with LoRA too, whose adapters are FSDP units of
+    their own inside the layer (called once per block)."""
     from tts_lightning.distributed import row_chunks
 
-    _, wrapped = _wrapped(tiny_dir, "32-true")
+    _, wrapped = _wrapped(tiny_dir, "32-true", adapter=adapter)
     layer = next(_unwrap(m) for m in wrapped.modules() if is_checkpointed_by_rows(m))
     rows_seen: list[int] = []
     layer.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0].shape[0]))
