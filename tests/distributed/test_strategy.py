@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
 
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, DEFAULT_WRAP, Qwen3TTSFSDPStrategy
+from tts_lightning.distributed.row_chunks import is_checkpointed_by_rows
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
 TALKER_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer"
@@ -249,10 +250,10 @@ def batch(tiny_dir):
     return collate(sequences, speakers, [0, 1], pad_text_id=ids.tts_pad)
 
 
-def _wrapped(tiny_dir, precision: str, **strategy_kwargs):
+def _wrapped(tiny_dir, precision: str, adapter=None, **strategy_kwargs):
     from tts_lightning import Qwen3TTSModule
 
-    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"], adapter=adapter)
     module.configure_model()
     # NO_SHARD: what FSDP switches to at world size 1 anyway (said here, so it does not warn).
     strategy = Qwen3TTSFSDPStrategy(
@@ -295,6 +296,9 @@ def test_one_rank_wrap_units_checkpointing_and_bf16(process_group, tiny_dir, bat
     assert sorted(type(m).__name__ for m in checkpointed) == sorted(
         [talker_layer.__name__] * 2 + [predictor_layer.__name__] * 2
     )
+    # The predictor's wrappers recompute by blocks of frames (tts_lightning.distributed.row_chunks).
+    by_rows = [_unwrap(m) for m in wrapped_bf.modules() if is_checkpointed_by_rows(m)]
+    assert [type(m).__name__ for m in by_rows] == [predictor_layer.__name__] * 2
 
     computed = []
     hook = module_bf.talker.model.layers[0].register_forward_hook(
@@ -309,6 +313,36 @@ def test_one_rank_wrap_units_checkpointing_and_bf16(process_group, tiny_dir, bat
     # bf16 rounding moves the loss a little, not more (tiny model: losses ~7.5 and ~6 nats).
     torch.testing.assert_close(out_bf.talker_loss, out32.talker_loss, rtol=1e-2, atol=0)
     torch.testing.assert_close(out_bf.code_predictor_loss, out32.code_predictor_loss, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("adapter", [None, {"rank": 4}])
+def test_one_rank_predictor_blocks_of_rows_keep_loss_and_gradients(
+    process_group, tiny_dir, batch, monkeypatch, adapter
+):
+    """Through the real FSDP1 wrap: the batch's 65 frames recomputed in blocks of 16 rows (and one
+    of 1) give the loss and gradients of one block; with LoRA too, whose adapters are FSDP units of
+    their own inside the layer (called once per block)."""
+    from tts_lightning.distributed import row_chunks
+
+    _, wrapped = _wrapped(tiny_dir, "32-true", adapter=adapter)
+    layer = next(_unwrap(m) for m in wrapped.modules() if is_checkpointed_by_rows(m))
+    rows_seen: list[int] = []
+    layer.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0].shape[0]))
+    results = []
+    for rows in (10**6, 16):
+        monkeypatch.setattr(row_chunks, "PREDICTOR_ROWS", rows)
+        wrapped.zero_grad(set_to_none=True)
+        rows_seen.clear()
+        out = wrapped(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in wrapped.parameters() if p.grad is not None]))
+    # forward, then each block recomputed in backward, the last first
+    assert rows_seen == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
+    (loss_one, grads_one), (loss_blocks, grads_blocks) = results
+    torch.testing.assert_close(loss_blocks, loss_one, rtol=1e-6, atol=0)
+    assert len(grads_blocks) == len(grads_one) > 0
+    for a, b in zip(grads_blocks, grads_one):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_lightning_default_mixed_precision_would_cast_the_rotary_buffer(process_group, tiny_dir, batch):

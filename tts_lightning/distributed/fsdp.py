@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteError
 from tts_lightning.distributed.lean_state import LeanShards
 from tts_lightning.distributed.processes import split_cpu_threads
+from tts_lightning.distributed.row_chunks import checkpoint_wrapped_predictor_by_rows
 
 __all__ = [
     "CheckpointWriteError",
@@ -226,8 +227,9 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            return self._report_shards(super()._setup_model(model))
-        # Wrap here, then let Lightning do the rest (metrics, activation checkpointing) as for an
+            return self._report_shards(checkpoint_wrapped_predictor_by_rows(super()._setup_model(model)))
+        # Wrap here, then let Lightning do the rest (metrics, activation checkpointing; the code
+        # predictor's recomputed by blocks of frames: `row_chunks`) as for an
         # already-wrapped model. FSDP1 on CPU needs device_id=cpu (Lightning passes the index, None
         # on CPU), and a meta-built model is materialized unit by unit as it is wrapped.
         kwargs = dict(self.kwargs)
@@ -259,7 +261,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
             setattr(model, "pending_weights", None)  # any LightningModule: an untyped attribute
         policy = self.kwargs.pop("auto_wrap_policy", None)
         try:
-            return self._report_shards(super()._setup_model(wrapped))
+            return self._report_shards(checkpoint_wrapped_predictor_by_rows(super()._setup_model(wrapped)))
         finally:
             if policy is not None:
                 self.kwargs["auto_wrap_policy"] = policy

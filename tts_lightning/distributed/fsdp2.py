@@ -6,7 +6,8 @@ Qwen3-TTS, on top of Lightning's `ModelParallelStrategy`; the alternative to the
 Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the model on meta):
 - one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer, each
   activation-checkpointed (``activation_checkpointing_policy``, composable checkpoint: parameter
-  names do not change), and one per row block of the 311M-parameter text embedding
+  names do not change; the code predictor's by blocks of frames, `row_chunks`), and one per row
+  block of the 311M-parameter text embedding
   (``layer_classes``; `tts_lightning.model.row_blocks`);
 - ``groups``: module-name globs, each list one unit: the codec embeddings (the talker's and the code
   predictor's, together), the frozen speaker encoder alone
@@ -59,6 +60,7 @@ from torch import nn
 from tts_lightning.distributed.atomic import AtomicCheckpoints
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, import_classes
 from tts_lightning.distributed.processes import choose_backend, split_cpu_threads
+from tts_lightning.distributed.row_chunks import checkpoint_by_rows
 from tts_lightning.model.parameters import absent_speaker_encoder
 
 if TYPE_CHECKING:
@@ -356,8 +358,12 @@ def apply_fully_shard(
     from torch.distributed.fsdp import fully_shard
 
     if checkpoint_classes:
+        from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSDecoderLayer
+
         for sub in model.modules():
-            if isinstance(sub, checkpoint_classes):
+            if isinstance(sub, checkpoint_classes) and isinstance(sub, Qwen3TTSDecoderLayer):
+                checkpoint_by_rows(sub, checkpointed=False)  # the code predictor: by blocks of frames
+            elif isinstance(sub, checkpoint_classes):
                 checkpoint(sub)
     for sub in model.modules():
         if isinstance(sub, layer_classes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tts_lightning.distributed import row_chunks
 from tts_lightning.distributed.memory.shapes import PREDICTOR_LAYER, TALKER_LAYER, _import_classes
 
 __all__ = ["LOGIT_BYTES", "PREDICTOR_LAYER_BYTES", "TALKER_LAYER_BYTES"]
@@ -48,8 +49,10 @@ def _activation_bytes(
     checkpointing; only its b*H input with checkpointing, plus one layer's full set while that
     layer is recomputed in backward); outside the layers, the text projection (b*(T + 2*I_t)), the
     final RMSNorm ((4 + 2b)*H) and the codec_head input (b*H).
-    Code predictor, per frame: 16 positions through its layers (same rule, ``PREDICTOR_LAYER_BYTES``),
-    the small_to_mtp_projection input (b*16*H, when it is a Linear), its final norm ((4+2b)*16*H_cp).
+    Code predictor, per frame: 16 positions through its layers (same rule, ``PREDICTOR_LAYER_BYTES``;
+    a checkpointed layer is recomputed by blocks of ``PREDICTOR_ROWS`` frames,
+    `tts_lightning.distributed.row_chunks`, so one block's full set is alive), the
+    small_to_mtp_projection input (b*16*H, when it is a Linear), its final norm ((4+2b)*16*H_cp).
     Logits: talker ``vocab`` per target and 15 x ``cp_vocab`` per frame, ``LOGIT_BYTES`` each.
     """
     P = positions
@@ -66,7 +69,7 @@ def _activation_bytes(
         talker = P * d["layers"] * talker_layer
     if ckpt_predictor:
         predictor = cp_tokens * d["cp_layers"] * b * d["cp_hidden"]
-        recompute = max(recompute, cp_tokens * cp_layer)
+        recompute = max(recompute, min(F, row_chunks.PREDICTOR_ROWS) * d["code_groups"] * cp_layer)
     else:
         predictor = cp_tokens * d["cp_layers"] * cp_layer
     other = (
