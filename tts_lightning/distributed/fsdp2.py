@@ -355,6 +355,11 @@ def apply_fully_shard(
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
+    from tts_lightning.model.row_blocks import RowBlockEmbedding
+
+    for sub in model.modules():
+        if isinstance(sub, RowBlockEmbedding):
+            sub.anchor_backward = True  # each block's post-backward right after its gradient
     if checkpoint_classes:
         for sub in model.modules():
             if isinstance(sub, checkpoint_classes):
