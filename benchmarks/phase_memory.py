@@ -61,6 +61,9 @@ def main() -> int:
     parser.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"))
     parser.add_argument("--frames", type=int, default=60, help="data.max_frames_per_batch")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench" / "phases")
+    parser.add_argument(
+        "--talker-layers", type=int, help="that many talker decoder layers (a mid-size model; the planner follows)"
+    )
     parser.add_argument("--validate", action="store_true", help="only `validate` the pretrained weights")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -68,7 +71,8 @@ def main() -> int:
 
     from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_from_config
 
-    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
+    name = f"released-{args.size}" + (f"-{args.talker_layers}layers" if args.talker_layers else "")
+    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / name, talker_layers=args.talker_layers)
     shutil.rmtree(args.work / "run", ignore_errors=True)
     overrides = [
         "--data.pretrained",
@@ -125,7 +129,7 @@ def main() -> int:
         ("resume", resume_total.get("start"), resume_above.get("start"), planned["resume"]),
         ("step after resume", resume_total.get("step"), resume_above.get("step"), planned["step"]),
     ]
-    print(f"\n{args.size}, {args.config}, 2 ranks, {args.frames} positions per batch (RSS in GiB, summed over ranks)")
+    print(f"\n{name}, {args.config}, 2 ranks, {args.frames} positions per batch (RSS in GiB, summed over ranks)")
     print(f"{'phase':20}{'peak RSS':>10}{'above baseline':>16}{'planner':>10}{'meas/plan':>11}")
     for name, total, above, plan_bytes in rows:
         if total is None:
