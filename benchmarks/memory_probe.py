@@ -33,13 +33,15 @@ class _Mallinfo2(ctypes.Structure):
     ]
 
 
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _Mallinfo2
+
+
 def heap_bytes() -> dict[str, int]:
     """glibc's heap (``mallinfo2``, all arenas): ``in_use`` (malloc'd, not freed; mmapped blocks
     included) and ``free_kept`` (freed, still mapped and resident in the arenas: RSS that holds no
     live object, until malloc reuses it or ``malloc_trim`` returns it)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _Mallinfo2
-    info = libc.mallinfo2()
+    info = _LIBC.mallinfo2()
     return {"in_use": info.uordblks + info.hblkhd, "free_kept": info.fordblks}
 
 
@@ -115,13 +117,19 @@ class PhaseMemory(L.Callback):
         self.out_dir = Path(out_dir)
         self.peaks: dict[str, int] = {}
         self.heap: dict[str, dict[str, int]] = {}  # glibc's heap at the end of each phase
+        self.in_use_peaks: dict[str, int] = {}  # the highest live heap (malloc'd bytes) per phase
         self.phase = "start"
         self._stop = threading.Event()
 
     def _sample(self) -> None:
+        tick = 0
         while not self._stop.is_set():
             rss = rss_bytes()
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            if tick % 10 == 0:  # every 50 ms (mallinfo2 walks the arenas): the live heap's peak
+                live = heap_bytes()["in_use"]
+                self.in_use_peaks[self.phase] = max(self.in_use_peaks.get(self.phase, 0), live)
+            tick += 1
             time.sleep(0.005)
 
     def _enter(self, phase: str) -> None:
@@ -154,4 +162,5 @@ class PhaseMemory(L.Callback):
         self.thread.join()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks, "heap": self.heap}
+        figures["in_use_peaks"] = self.in_use_peaks
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))

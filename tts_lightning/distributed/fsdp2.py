@@ -7,7 +7,8 @@ Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the mod
 - one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer, each
   activation-checkpointed (``activation_checkpointing_policy``, composable checkpoint: parameter
   names do not change), and one per row block of the 311M-parameter text embedding
-  (``layer_classes``; `tts_lightning.model.row_blocks`);
+  (``layer_classes``; `tts_lightning.model.row_blocks`), each given a zero input with a gradient
+  so that FSDP2 reduces and frees it right after its own backward (its token ids have none);
 - ``groups``: module-name globs, each list one unit: the codec embeddings (the talker's and the code
   predictor's, together), the frozen speaker encoder alone
   (never gathered: unused by the loss, and frozen parameters get no gradient);
