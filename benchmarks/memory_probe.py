@@ -5,6 +5,7 @@ for the export measurement, and stops the run before its first step."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -12,6 +13,36 @@ import time
 from pathlib import Path
 
 import lightning as L
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _Mallinfo2
+
+
+def heap_bytes() -> dict[str, int]:
+    """glibc's heap (``mallinfo2``, all arenas): ``in_use`` (malloc'd, not freed; mmapped blocks
+    included) and ``free_kept`` (freed, still mapped and resident in the arenas: RSS that holds no
+    live object, until malloc reuses it or ``malloc_trim`` returns it)."""
+    info = _LIBC.mallinfo2()
+    return {"in_use": info.uordblks + info.hblkhd, "free_kept": info.fordblks}
 
 
 def rss_bytes() -> int:
@@ -85,16 +116,24 @@ class PhaseMemory(L.Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
         self.peaks: dict[str, int] = {}
+        self.heap: dict[str, dict[str, int]] = {}  # glibc's heap at the end of each phase
+        self.in_use_peaks: dict[str, int] = {}  # the highest live heap (malloc'd bytes) per phase
         self.phase = "start"
         self._stop = threading.Event()
 
     def _sample(self) -> None:
+        tick = 0
         while not self._stop.is_set():
             rss = rss_bytes()
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            if tick % 10 == 0:  # every 50 ms (mallinfo2 walks the arenas): the live heap's peak
+                live = heap_bytes()["in_use"]
+                self.in_use_peaks[self.phase] = max(self.in_use_peaks.get(self.phase, 0), live)
+            tick += 1
             time.sleep(0.005)
 
     def _enter(self, phase: str) -> None:
+        self.heap[self.phase] = {**heap_bytes(), "rss": rss_bytes()}
         rss = rss_bytes()
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
         self.phase = phase
@@ -102,6 +141,7 @@ class PhaseMemory(L.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         self.baseline = rss_bytes()
+        self.heap["baseline"] = {**heap_bytes(), "rss": self.baseline}
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
 
@@ -121,5 +161,6 @@ class PhaseMemory(L.Callback):
         self._stop.set()
         self.thread.join()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks}
+        figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks, "heap": self.heap}
+        figures["in_use_peaks"] = self.in_use_peaks
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))

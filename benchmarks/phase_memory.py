@@ -13,11 +13,14 @@ Printed per phase: the peak RSS summed over both ranks (what must fit the machin
 issue 28 is <= 21 GiB in every phase, the save at most 1 GiB above the step), and the RSS above the
 pre-model level beside the planner's bytes for that phase (`plan_from_config` on the same config and
 overrides; its CUDA constant left out, its per-GPU figure times 2). RSS also holds allocator caching
-and ~1 GiB of imports per process (in the baseline).
+and ~1 GiB of imports per process (in the baseline). The live heap column is glibc's heap in use
+(``mallinfo2``) at its peak above the baseline's: RSS without the freed blocks glibc keeps mapped
+(run with ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment to return them, and RSS follows it).
 
     PYTHONPATH=. python benchmarks/phase_memory.py                                     # ~10 min, ~20 GiB
     PYTHONPATH=. python benchmarks/phase_memory.py --config configs/tiny-cpu-fsdp2.yaml  # FSDP2
     PYTHONPATH=. python benchmarks/phase_memory.py --size 1.7b --validate                # 1.7B validate
+    PYTHONPATH=. python benchmarks/phase_memory.py --small     # ~93M parameters, ~5 GiB (--talker-layers N: mid size)
 """
 
 from __future__ import annotations
@@ -55,12 +58,24 @@ def phases(folder: Path) -> tuple[dict[str, int], dict[str, int]]:
     return total, above
 
 
+def live_heap(folder: Path) -> dict[str, int]:
+    """Per phase: glibc's live heap at its peak (sampled every 50 ms) above the baseline's, summed
+    over the ranks: the bytes of live objects, without the freed blocks the allocator keeps."""
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    names = [p for p in ranks[0]["in_use_peaks"] if all(p in r["in_use_peaks"] for r in ranks)]
+    return {p: sum(r["in_use_peaks"][p] - r["heap"]["baseline"]["in_use"] for r in ranks) for p in names}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny-cpu.yaml")
     parser.add_argument("--size", default="0.6b", choices=("0.6b", "1.7b"))
     parser.add_argument("--frames", type=int, default=60, help="data.max_frames_per_batch")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench" / "phases")
+    parser.add_argument(
+        "--talker-layers", type=int, help="that many talker decoder layers (a mid-size model; the planner follows)"
+    )
+    parser.add_argument("--small", action="store_true", help="released_dir.SMALL's sizes (~93M parameters)")
     parser.add_argument("--validate", action="store_true", help="only `validate` the pretrained weights")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -68,7 +83,11 @@ def main() -> int:
 
     from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES, plan_from_config
 
-    pretrained = build_released_dir(args.size, REPO / "runs" / "bench" / f"released-{args.size}")
+    name = f"released-{args.size}" + (f"-{args.talker_layers}layers" if args.talker_layers else "")
+    name += "-small" if args.small else ""
+    pretrained = build_released_dir(
+        args.size, REPO / "runs" / "bench" / name, talker_layers=args.talker_layers, small=args.small
+    )
     shutil.rmtree(args.work / "run", ignore_errors=True)
     overrides = [
         "--data.pretrained",
@@ -117,6 +136,15 @@ def main() -> int:
     planned = {k: 2 * (v - CUDA_OVERHEAD_BYTES) for k, v in planned.items()}  # two ranks, no CUDA here
     fit_total, fit_above = phases(args.work / "fit")
     resume_total, resume_above = phases(args.work / "resume")
+    fit_live, resume_live = live_heap(args.work / "fit"), live_heap(args.work / "resume")
+    live = {
+        "start": fit_live.get("start"),
+        "step": fit_live.get("step"),
+        "validate": fit_live.get("validate"),
+        "save": fit_live.get("save"),
+        "resume": resume_live.get("start"),
+        "step after resume": resume_live.get("step"),
+    }
     rows = [
         ("start", fit_total.get("start"), fit_above.get("start"), planned["start"]),
         ("step", fit_total.get("step"), fit_above.get("step"), planned["step"]),
@@ -125,19 +153,27 @@ def main() -> int:
         ("resume", resume_total.get("start"), resume_above.get("start"), planned["resume"]),
         ("step after resume", resume_total.get("step"), resume_above.get("step"), planned["step"]),
     ]
-    print(f"\n{args.size}, {args.config}, 2 ranks, {args.frames} positions per batch (RSS in GiB, summed over ranks)")
-    print(f"{'phase':20}{'peak RSS':>10}{'above baseline':>16}{'planner':>10}{'meas/plan':>11}")
+    print(f"\n{name}, {args.config}, 2 ranks, {args.frames} positions per batch (RSS in GiB, summed over ranks)")
+    print(
+        f"{'phase':20}{'peak RSS':>10}{'above baseline':>16}{'planner':>10}{'meas/plan':>11}"
+        f"{'live heap':>11}{'live/plan':>11}"
+    )
     for name, total, above, plan_bytes in rows:
         if total is None:
             continue
-        ratio = f"{above / plan_bytes:11.2f}" if plan_bytes else ""
+        ratio = f"{above / plan_bytes:11.2f}" if plan_bytes else f"{'':11}"
         planner = f"{plan_bytes / GiB:10.2f}" if plan_bytes is not None else f"{'':10}"
-        print(f"{name:20}{total / GiB:10.2f}{above / GiB:16.2f}{planner}{ratio}")
+        heap = live.get(name)
+        heap_text = f"{heap / GiB:11.2f}" if heap is not None else f"{'':11}"
+        heap_ratio = f"{heap / plan_bytes:11.2f}" if heap is not None and plan_bytes else ""
+        print(f"{name:20}{total / GiB:10.2f}{above / GiB:16.2f}{planner}{ratio}{heap_text}{heap_ratio}")
     print(f"save - step: {(fit_total['save'] - fit_total['step']) / GiB:+.2f} GiB (goal <= +1)")
     worst = max(t for _, t, _, _ in rows if t is not None)
     print(f"highest phase: {worst / GiB:.2f} GiB (goal <= 21 on this 24 GiB machine)")
     (args.work / "phases.json").write_text(
-        json.dumps({"rows": rows, "config": args.config, "size": args.size, "frames": args.frames}, indent=1)
+        json.dumps(
+            {"rows": rows, "live": live, "config": args.config, "size": args.size, "frames": args.frames}, indent=1
+        )
     )
     return 0
 

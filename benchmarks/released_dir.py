@@ -8,7 +8,7 @@ at most 1 GiB so that building needs about one shard of memory. The text tokeniz
 config and the speech tokenizer come from the tiny directory: they shape no parameter of the model,
 and the tiny tokenizers' ids lie inside the released vocabularies.
 
-    PYTHONPATH=. python benchmarks/released_dir.py 0.6b runs/bench/released-0.6b
+    PYTHONPATH=. python benchmarks/released_dir.py 0.6b runs/bench/released-0.6b [talker layers]
 """
 
 from __future__ import annotations
@@ -23,8 +23,18 @@ import torch
 SHARD_BYTES = 2**30
 
 
-def build_released_dir(size: str, out: str | Path, seed: int = 0) -> Path:
-    """Build (once) a random-weight directory of the released ``size`` ("0.6b" or "1.7b")."""
+# ``small``: the released layout at a size a comparison can run beside other work (~93M parameters):
+# the full 151,936-row text vocabulary (as 8 row blocks, 39M parameters) at a 256-wide text
+# embedding, one talker and one code-predictor layer, hidden size 512.
+SMALL = {"text_hidden_size": 256, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 1}
+
+
+def build_released_dir(
+    size: str, out: str | Path, seed: int = 0, talker_layers: int | None = None, small: bool = False
+) -> Path:
+    """Build (once) a random-weight directory of the released ``size`` ("0.6b" or "1.7b"); with
+    ``talker_layers``, the same architecture with that many talker decoder layers (a mid-size model
+    for memory comparisons that must not fill the machine); ``small``: `SMALL`'s sizes."""
     from safetensors.torch import save_file
 
     from tts_lightning.distributed.memory import PRESETS, build_meta_model
@@ -32,7 +42,11 @@ def build_released_dir(size: str, out: str | Path, seed: int = 0) -> Path:
 
     out = Path(out)
     done = out / "released_dir.json"
-    key = {"size": size, "seed": seed}
+    key: dict = {"size": size, "seed": seed}
+    if talker_layers is not None:
+        key["talker_layers"] = talker_layers
+    if small:
+        key["small"] = SMALL
     if done.is_file() and json.loads(done.read_text()) == key:
         return out
     if out.exists():
@@ -42,6 +56,13 @@ def build_released_dir(size: str, out: str | Path, seed: int = 0) -> Path:
     for name in ("model.safetensors", "config.json", "tiny_model.json"):  # the tiny model's own
         (out / name).unlink()
     preset = json.loads(json.dumps(PRESETS[size]))
+    if talker_layers is not None:
+        preset["talker_config"]["num_hidden_layers"] = talker_layers
+    if small:
+        talker = preset["talker_config"]
+        talker.update(SMALL)
+        talker["code_predictor_config"].update({k: v for k, v in SMALL.items() if k != "text_hidden_size"})
+        preset["speaker_encoder_config"]["enc_dim"] = SMALL["hidden_size"]
     meta = build_meta_model(preset)
     config = meta.config.to_dict()  # every field, the special token ids included, as released
     config["speaker_encoder_config"].pop("model_type", None)  # as the tiny builder: it fails to load
@@ -78,4 +99,5 @@ def build_released_dir(size: str, out: str | Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    print(build_released_dir(sys.argv[1], sys.argv[2]))
+    layers = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    print(build_released_dir(sys.argv[1], sys.argv[2], talker_layers=layers))

@@ -1,7 +1,8 @@
 """A callback the FSDP2 tests put into real `tts-lightning fit` runs (imported by the ranks through
 PYTHONPATH): it records each rank's per-step loss and gradient norms before and after clipping, and
 under FSDP2 checks the sharded state (frozen parameters without gradients, DTensor gradients, the
-MRoPE ``inv_freq`` buffers fp32 and equal to a model built normally)."""
+MRoPE ``inv_freq`` buffers fp32 and equal to a model built normally), and how many text-embedding
+row blocks are gathered at once in each backward."""
 
 import json
 from pathlib import Path
@@ -27,6 +28,32 @@ class RecordSteps(Callback):
         from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 
         return isinstance(trainer.strategy, Qwen3TTSFSDP2Strategy)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """Under FSDP2, whenever a row block's output gets its gradient (after FSDP's pre-backward
+        hook gathered that block), count the blocks gathered (their weight a plain tensor, not the
+        DTensor shard): each block must be freed after its own backward, not at the end of it."""
+        self.gathered = 0
+        if not self._fsdp2(trainer):
+            return
+        from torch.distributed.tensor import DTensor
+
+        from tts_lightning.model.row_blocks import EmbeddingRowBlock
+
+        blocks = [m for m in pl_module.modules() if isinstance(m, EmbeddingRowBlock)]
+
+        def count(grad):
+            self.gathered = max(self.gathered, sum(not isinstance(b.weight, DTensor) for b in blocks))
+
+        def hook(module, args, output):
+            if output.requires_grad:  # registered after FSDP's own hook on the output: runs after it
+                output.register_hook(count)
+
+        for block in blocks:
+            block.register_forward_hook(hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.gathered = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._fsdp2(trainer):
@@ -66,6 +93,7 @@ class RecordSteps(Callback):
         if self._fsdp2(trainer):  # the gradients are still there, clipped, until the next step's zero_grad
             step["pre_clip"] = self.pre_clip
             step["post_clip"] = _total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])
+            step["gathered_blocks"] = self.gathered
         self.steps.append(step)
 
     def on_train_end(self, trainer, pl_module) -> None:

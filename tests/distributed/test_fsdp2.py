@@ -82,6 +82,9 @@ def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
         assert any(s["pre_clip"] > 1.05 for s in new)
         for s in new:
             assert s["post_clip"] == pytest.approx(min(s["pre_clip"], 1.0), rel=1e-4), s
+            # each block freed after its own backward (the anchor): at most it and the prefetched
+            # next one gathered, not all of them until the end of backward
+            assert 1 <= s["gathered_blocks"] <= 2 < TEXT_BLOCKS, s
     ref = load_training_checkpoint(fsdp1_run / "checkpoints" / "last.ckpt")
     new = load_training_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert new.path.is_file() and ref.path.is_dir()  # a full FSDP2 checkpoint, a sharded FSDP1 one

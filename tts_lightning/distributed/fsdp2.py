@@ -7,8 +7,9 @@ Layout (applied in `setup`, after `Qwen3TTSModule.configure_model` built the mod
 - one ``fully_shard`` unit per talker decoder layer and per code-predictor decoder layer, each
   activation-checkpointed (``activation_checkpointing_policy``, composable checkpoint: parameter
   names do not change; the code predictor's by blocks of frames, `row_chunks`), and one per row
-  block of the 311M-parameter text embedding
-  (``layer_classes``; `tts_lightning.model.row_blocks`);
+  block of the 311M-parameter text embedding (``layer_classes``; `tts_lightning.model.row_blocks`),
+  each given a zero input with a gradient so that FSDP2 reduces and frees it right after its own
+  backward (its token ids have none);
 - ``groups``: module-name globs, each list one unit: the codec embeddings (the talker's and the code
   predictor's, together), the frozen speaker encoder alone
   (never gathered: unused by the loss, and frozen parameters get no gradient);
@@ -357,6 +358,11 @@ def apply_fully_shard(
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
+    from tts_lightning.model.row_blocks import RowBlockEmbedding
+
+    for sub in model.modules():
+        if isinstance(sub, RowBlockEmbedding):
+            sub.anchor_backward = True  # each block's post-backward right after its gradient
     if checkpoint_classes:
         from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSDecoderLayer
 

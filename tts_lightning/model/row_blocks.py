@@ -43,6 +43,12 @@ def check_blocks(blocks: int, rows: int) -> None:
 class EmbeddingRowBlock(nn.Embedding):
     """One row block of a `RowBlockEmbedding` (its own class, so that FSDP2 can name it)."""
 
+    def forward(self, input: Tensor, anchor: Tensor | None = None) -> Tensor:
+        # ``anchor`` (a zero scalar requiring grad, see `RowBlockEmbedding.anchor_backward`): adding
+        # it leaves every value as it is (x + 0 == x) and gives the unit an input with a gradient.
+        rows = super().forward(input)
+        return rows if anchor is None else rows + anchor
+
 
 class RowBlockEmbedding(nn.Module):
     """An `nn.Embedding(num_embeddings, embedding_dim)` stored as ``blocks`` row blocks of (almost)
@@ -58,13 +64,23 @@ class RowBlockEmbedding(nn.Module):
         self.starts = [sum(self.rows[:i]) for i in range(blocks)]
         self.blocks = nn.ModuleList(EmbeddingRowBlock(n, embedding_dim, device=device) for n in self.rows)
         self.register_load_state_dict_pre_hook(_split_official_weight)
+        # Set by FSDP2 (`tts_lightning.distributed.fsdp2.apply_fully_shard`): a unit runs its
+        # post-backward (reduce-scatter, free the gathered weight and full gradient) when the
+        # gradient of a forward input arrives, else only at the end of backward. Token ids have no
+        # gradient, so without an anchor every block stayed gathered, with its full gradient, until
+        # the whole backward was done (2.5 GB per rank at the 0.6B size).
+        self.anchor_backward = False
 
     def forward(self, ids: Tensor) -> Tensor:
         out: Tensor | None = None
+        anchor = None
+        if self.anchor_backward and torch.is_grad_enabled() and self.blocks[0].weight.requires_grad:
+            anchor = torch.zeros((), device=ids.device, requires_grad=True)
         # Every block runs (a FSDP unit gathers in its forward, the same on every rank), on ids
         # clamped into its rows; only the rows of the ids it holds are kept. No host sync.
         for block, start, n in zip(self.blocks, self.starts, self.rows):
-            rows = block((ids - start).clamp(0, n - 1))
+            clamped = (ids - start).clamp(0, n - 1)
+            rows = block(clamped) if anchor is None else block(clamped, anchor)
             if out is None:
                 out = rows
             else:
