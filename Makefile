@@ -43,8 +43,10 @@ demo: install
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 # Two pytest-xdist workers: run one after the other the tests left a core idle half the time
-# (most wait on process start-up, imports and collectives); each test file stays on one worker so
-# its module fixtures are built once (tests/conftest.py).
+# (most wait on process start-up, imports and collectives). A module's or the session's fixtures
+# (a fit, a Ray cluster, `make demo`'s workspace) may then be built on both workers: no test
+# depends on running beside another. Not grouped by file: xdist 3.8's xdist_group has no effect
+# under pytest 9.2 (tests of one group were seen on both workers).
 test: install $(CHROMIUM)
 	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 

@@ -193,19 +193,3 @@ def demo_workspace(tmp_path_factory):
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-6000:]}"
         outputs[name] = proc.stdout
     return root, outputs
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs 2 workers with --dist loadgroup) each test file runs
-    whole on one worker, so its module fixtures (a fit, a Ray cluster) are built once; the README
-    and console tests share `demo_workspace` (`make demo` run once) and stay together. The files
-    with the most slow tests go first, so that no long file starts last and leaves a worker idle."""
-    if getattr(config.option, "dist", "no") == "no":  # not under xdist (or xdist without -n)
-        return
-    together = {"test_readme.py": "demo", "test_console.py": "demo"}
-    group = {item: together.get(item.path.name, str(item.path)) for item in items}
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[group[item]] = slow.get(group[item], 0) + (item.get_closest_marker("slow") is not None)
-        item.add_marker(pytest.mark.xdist_group(group[item]))
-    items.sort(key=lambda item: -slow[group[item]])  # stable: a file's tests keep their order
