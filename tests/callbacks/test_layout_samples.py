@@ -66,14 +66,8 @@ def training_reference(data, speaker):
     return clip.text, load_codes(item.reference.codes)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("streaming", [False, True], ids=["non_streaming", "streaming"])
-def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_dir, make_datamodule, tmp_path):
-    torch.set_num_threads(1)
-    L.seed_everything(0)
-    data = make_datamodule(layout="icl", streaming=streaming, max_frames_per_batch=700, predict_texts=TEXTS)
-    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
-    samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=6, seed=3, similarity=False, baseline=False)
+def fit_one_step_with_samples(module, data, samples, tmp_path) -> L.Trainer:
+    """One training step, then a validation in which ``samples`` speaks (logged to tmp_path/tb)."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -88,6 +82,18 @@ def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_di
         enable_model_summary=False,
     )
     trainer.fit(module, datamodule=data)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True], ids=["non_streaming", "streaming"])
+def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_dir, make_datamodule, tmp_path):
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    data = make_datamodule(layout="icl", streaming=streaming, max_frames_per_batch=700, predict_texts=TEXTS)
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+    samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=6, seed=3, similarity=False, baseline=False)
+    trainer = fit_one_step_with_samples(module, data, samples, tmp_path)
     acc = read_events(tmp_path / "tb")
 
     speakers = data.speaker_names
@@ -185,20 +191,7 @@ def test_custom_voice_streaming_run_samples_and_predicts_as_generate_custom_voic
     )
     module = Qwen3TTSModule(str(model_dir), speakers=data.speaker_names, learning_rate=1e-3)
     samples = SpeakerSamplesCallback(texts=TEXTS, max_new_tokens=6, seed=3, similarity=False, baseline=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        val_check_interval=1,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=TensorBoardLogger(tmp_path, name="tb"),
-        callbacks=[samples],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=data)
+    trainer = fit_one_step_with_samples(module, data, samples, tmp_path)
     acc = read_events(tmp_path / "tb")
 
     speakers = data.speaker_names
