@@ -157,3 +157,30 @@ def test_fsdp2_from_the_command_and_a_config(tmp_path, tiny_dir, capsys):
         layout="fsdp2",
     )
     assert plan.total == direct.total and plan.gradients == direct.gradients
+
+
+def test_fsdp2_resume_holds_gradients_as_torch_reads_the_optimizer_state():
+    """torch's `get_optimizer_state_dict`, which FSDP2's resume calls on the fresh optimizer to have
+    tensors to read the checkpoint into, creates the AdamW state with one zero-lr step on zero
+    gradients: for that step every trainable parameter has a gradient. The planner's FSDP2 resume
+    counts them; FSDP1's does not (its reader builds the state from the checkpoint's)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[1].requires_grad_(False)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    seen = []
+    optim.register_step_pre_hook(lambda *_: seen.append([p.grad is not None for p in model.parameters()]))
+    before = [p.detach().clone() for p in model.parameters()]
+    state = get_optimizer_state_dict(model, optim)
+    assert seen == [[True, True, False, False]]  # one step, with a gradient on each trainable parameter
+    assert all(p.grad is None for p in model.parameters())  # freed after it
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert set(state["state"]) == {"0.weight", "0.bias"}
+
+    fsdp1, fsdp2 = (plan_memory("0.6b", **BASE, layout=layout) for layout in ("fsdp1", "fsdp2"))
+    from tts_lightning.distributed.memory import CUDA_OVERHEAD_BYTES
+
+    assert fsdp2.resume == fsdp2.parameters + fsdp2.gradients + fsdp2.optimizer_states + CUDA_OVERHEAD_BYTES
+    assert fsdp1.resume == fsdp1.parameters + fsdp1.optimizer_states + CUDA_OVERHEAD_BYTES

@@ -77,7 +77,7 @@ class MemoryPlan:
     startup: int = 0  # the model built and sharded (the largest unit whole while it is)
     checkpoint_save: int = 0  # a sharded checkpoint being written (views of the shards: nothing gathered)
     checkpoint_host: int = 0  # host memory per GPU process then: the writer's copies of the shards
-    resume: int = 0  # a checkpoint read back, before the first step (no gradients yet)
+    resume: int = 0  # a checkpoint read back, before the first step (FSDP2: with zero gradients)
     optimizer: str = "adamw"  # `Qwen3TTSModule`'s ``optimizer`` (`optimizer_bytes.py`)
     optimizer_step: int = 0  # torchao's step: model states + its fp32 copies of the largest piece
     planned: tuple[Any, PlanSettings] | None = field(default=None, repr=False, compare=False)  # (model, settings)
@@ -408,8 +408,11 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
       tensor to host memory and keeps the copies until the rank's file is written (a torch
       behaviour): the parameters and AdamW state of the rank, in host memory;
     - resume: the model built first (the start, with its transient), then the parameters and the
-      AdamW state read back into their shards, no gradients yet: the larger of the two, as the
-      start's transient is freed before the checkpoint is read (measured: benchmarks/phase_memory.py)."""
+      AdamW state read back into their shards: the larger of the two, as the start's transient is
+      freed before the checkpoint is read (measured: benchmarks/phase_memory.py). FSDP1 reads the
+      optimizer state without gradients; FSDP2's reader (torch's `get_optimizer_state_dict`) first
+      creates the state with one zero-learning-rate step on zero gradients, so the gradients are
+      there too (tests/distributed/test_memory_fsdp2.py pins that torch behaviour)."""
     if settings.fsdp2:
         whole = 2 * 4 * max((n for u in shape.units for _, n in u.params), default=0)
     else:
@@ -418,7 +421,8 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
     persistent = states.parameters + states.gradients + states.optimizer
     save = persistent + CUDA_OVERHEAD_BYTES
     host = 0 if settings.cpu_offload else states.parameters + states.optimizer
-    resume = max(startup, states.parameters + states.optimizer + CUDA_OVERHEAD_BYTES)
+    read_into = states.parameters + states.optimizer + (states.gradients if settings.fsdp2 else 0)
+    resume = max(startup, read_into + CUDA_OVERHEAD_BYTES)
     return startup, save, host, resume
 
 
