@@ -43,17 +43,16 @@ demo: install
 		--text "Hello from tts-lightning." --out runs/tiny-cpu/hello_alice.wav
 
 # Two pytest-xdist workers: run one after the other the tests left a core idle half the time
-# (most wait on process start-up, imports and collectives). A module's or the session's fixtures
-# (a fit, a Ray cluster, `make demo`'s workspace) may then be built on both workers: no test
-# depends on running beside another. Not grouped by file: xdist 3.8's xdist_group has no effect
-# under pytest 9.2 (tests of one group were seen on both workers).
+# (most wait on process start-up, imports and collectives). Each test file goes to one worker
+# (loadfile), so a module's fixtures (the README's command chain, a fit, a Ray cluster) are built
+# once; the session's (`make demo`'s workspace) once per worker. docs/testing.md has the figures.
 test: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.
 test-fast: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
 
 # The notebooks are stored with the outputs of an executed run; after changing a cell (or what a
 # cell shows), re-execute and store them (tests/test_notebooks.py checks they still match).
