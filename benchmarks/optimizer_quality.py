@@ -19,6 +19,8 @@ where the update runs eagerly) is reported apart.
     PYTHONPATH=. python benchmarks/optimizer_quality.py                 # 9 fits, ~20-30 min on 2 cores
     PYTHONPATH=. python benchmarks/optimizer_quality.py --seeds 5 --option-seeds 2
     PYTHONPATH=. python benchmarks/optimizer_quality.py --seeds 3 --steps 20   # step times only (7 fits)
+    PYTHONPATH=. python benchmarks/optimizer_quality.py --precision bf16-mixed --options bf16_sr,bf16_sr_adamw8bit
+        # the bf16 options beside fp32 AdamW at the same bf16 compute (on CPU, FSDP computes in bf16)
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5, help="fp32 AdamW runs (seeds 0..N-1)")
     p.add_argument("--option-seeds", type=int, default=1, help="runs of each other option (seeds 0..N-1)")
     p.add_argument("--options", default=",".join(OPTIONS))
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="every run at this trainer.precision, fp32 AdamW included (default: the bf16 options at "
+        "bf16-mixed, as they require, the others at the config's fp32)",
+    )
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the step time")
     p.add_argument("--pretrained", default="runs/tiny-model", help="built with `tts-lightning tiny-model` if absent")
@@ -95,7 +103,7 @@ def split_demo(work: Path) -> tuple[Path, Path]:
 
 
 def fit(args: argparse.Namespace, option: str, seed: int, manifests: tuple[Path, Path]) -> dict:
-    run = args.work / f"{option}-seed{seed}"
+    run = (args.work if args.precision is None else args.work / args.precision) / f"{option}-seed{seed}"
     command = [
         sys.executable,
         "-m",
@@ -131,8 +139,9 @@ def fit(args: argparse.Namespace, option: str, seed: int, manifests: tuple[Path,
         "false",
         '--trainer.callbacks+={"class_path": "optimizer_quality.StepTimes"}',
     ]
-    if option.startswith("bf16_sr"):
-        command += ["--trainer.precision", "bf16-mixed"]
+    precision = args.precision or ("bf16-mixed" if option.startswith("bf16_sr") else None)
+    if precision:
+        command += ["--trainer.precision", precision]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
