@@ -2,6 +2,7 @@
 the activation formula against saved tensors, and the `plan` command."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import yaml
 
 from tts_lightning.__main__ import main
 from tts_lightning.distributed.memory import (
+    CUDA_OVERHEAD_BYTES,
     TEXT_EMBEDDING,
     GiB,
     _activation_bytes,
@@ -22,6 +24,7 @@ from tts_lightning.model.loading import build_model
 from tts_lightning.model.pretrained import check_pretrained
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
+REPO = Path(__file__).resolve().parents[2]
 BASE = dict(
     gpus=4,
     gpu_memory_gb=16,
@@ -317,3 +320,57 @@ def test_samples_phase_is_planned(tiny_dir):
     assert "samples" in sampled.table()
     config = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16)
     assert config.samples and config.samples_cache > 0
+
+
+def test_checkpoints_after_validation_hold_no_gradients(tiny_dir, make_datamodule, tmp_path):
+    """The planner's save phase: a checkpoint written after validation (`ModelCheckpoint` on a
+    validation metric, the default) finds no gradient (Lightning releases them before validation,
+    ``on_validation_model_zero_grad``); one written at a training step's end
+    (``every_n_train_steps``) finds them all; the planner adds them only then."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tts_lightning import Qwen3TTSModule
+
+    class GradientsAtSave(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            trained = [p for p in pl_module.parameters() if p.requires_grad]
+            self.seen.append({p.grad is not None for p in trained})
+
+    for every_n_train_steps, expected in ((None, [{False}]), (1, [{True}, {True}])):
+        L.seed_everything(0)
+        data = make_datamodule()
+        probe = GradientsAtSave()
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path / str(every_n_train_steps),
+            monitor=None if every_n_train_steps else "val/loss",
+            every_n_train_steps=every_n_train_steps,
+            save_top_k=-1 if every_n_train_steps else 1,
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            val_check_interval=2,
+            limit_val_batches=1,
+            num_sanity_val_steps=0,
+            logger=False,
+            callbacks=[checkpoint, probe],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
+        assert probe.seen == expected, every_n_train_steps
+
+    config = REPO / "configs" / "tiny-cpu.yaml"
+    after_validation = plan_from_config(config, 16, overrides=["--data.pretrained", str(tiny_dir)])
+    at_steps = plan_from_config(
+        config, 16, overrides=["--data.pretrained", str(tiny_dir), "--checkpoint.every_n_train_steps", "100"]
+    )
+    assert after_validation.checkpoint_save == (
+        after_validation.parameters + after_validation.optimizer_states + CUDA_OVERHEAD_BYTES
+    )
+    assert at_steps.checkpoint_save == after_validation.checkpoint_save + after_validation.gradients

@@ -95,8 +95,8 @@ def plan_from_config(
     and ``model.adapter``, ``trainer.devices`` x ``num_nodes`` (or ``gpus``), ``trainer.precision``,
     the strategy (`Qwen3TTSFSDPStrategy` or Lightning's FSDP: sharding, cpu_offload, activation
     checkpointing and wrap policy; `Qwen3TTSFSDP2Strategy`: the FSDP2 layout with its layer classes,
-    groups and ``reshard_after_forward``), ``data.max_frames_per_batch`` and a
-    `SpeakerSamplesCallback`. Plain ``ddp`` (or several devices with no strategy) is planned as
+    groups and ``reshard_after_forward``), ``data.max_frames_per_batch``, a `SpeakerSamplesCallback`
+    and when checkpoints are written (``checkpoint.every_n_train_steps``). Plain ``ddp`` (or several devices with no strategy) is planned as
     NO_SHARD without checkpointing."""
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
@@ -139,6 +139,9 @@ def plan_from_config(
         groups=strategy.groups,
         optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
         text_embedding_blocks=int(_get(model_cfg, "text_embedding_blocks", DEFAULT_TEXT_EMBEDDING_BLOCKS)),
+        save_at_train_steps=bool(
+            _get(_get(cfg, "checkpoint"), "every_n_train_steps") or _get(_get(cfg, "checkpoint"), "train_time_interval")
+        ),
     )
 
 

@@ -403,8 +403,11 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
     - start: the parameters' shards, plus the unit being built whole in fp32 and flattened (FSDP1:
       two copies of the largest unit) or one parameter read whole and scattered (FSDP2: two copies
       of the largest parameter);
-    - save: the model states as they are (sharded checkpoints hand the writer views of the shards:
-      `tts_lightning.distributed.lean_state`, FSDP2's DTensors); on a GPU the writer copies each
+    - save: the parameters and optimizer state as they are (sharded checkpoints hand the writer
+      views of the shards: `tts_lightning.distributed.lean_state`, FSDP2's DTensors), without
+      gradients where the checkpoint is written after validation (Lightning releases them before
+      it: ``on_validation_model_zero_grad``; measured: benchmarks/phase_memory.py), with them where
+      it is written at a training step's end (``save_at_train_steps``); on a GPU the writer copies each
       tensor to host memory and keeps the copies until the rank's file is written (a torch
       behaviour): the parameters and AdamW state of the rank, in host memory;
     - resume: the model built first (the start, with its transient), then the parameters and the
@@ -418,8 +421,8 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
     else:
         whole = 2 * 4 * max((u.numel for u in shape.units[1:]), default=0)
     startup = states.parameters + whole + CUDA_OVERHEAD_BYTES
-    persistent = states.parameters + states.gradients + states.optimizer
-    save = persistent + CUDA_OVERHEAD_BYTES
+    held = states.parameters + states.optimizer + (states.gradients if settings.save_at_train_steps else 0)
+    save = held + CUDA_OVERHEAD_BYTES
     host = 0 if settings.cpu_offload else states.parameters + states.optimizer
     read_into = states.parameters + states.optimizer + (states.gradients if settings.fsdp2 else 0)
     resume = max(startup, read_into + CUDA_OVERHEAD_BYTES)

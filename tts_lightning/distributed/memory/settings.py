@@ -39,6 +39,9 @@ class PlanSettings:
             layer classes (the strategy's ``layer_classes``) and ``groups`` its module-name groups.
         optimizer: `Qwen3TTSModule`'s ``optimizer`` (bytes per value in `optimizer_bytes.py`).
         text_embedding_blocks: `Qwen3TTSModule`'s row blocks of the text embedding (FSDP units).
+        save_at_train_steps: checkpoints are written at training steps' ends (`ModelCheckpoint`'s
+            ``every_n_train_steps`` or ``train_time_interval``), with the gradients still held;
+            otherwise after validation, which Lightning starts by releasing them.
     """
 
     gpus: int
@@ -58,6 +61,7 @@ class PlanSettings:
     groups: Sequence[Sequence[str]] | None = None
     optimizer: str = "adamw"
     text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS
+    save_at_train_steps: bool = False
 
     def __post_init__(self) -> None:
         from tts_lightning.model.optimizers import OPTIMIZERS
