@@ -119,6 +119,8 @@ class PhaseMemory(L.Callback):
         self.heap: dict[str, dict[str, int]] = {}  # glibc's heap at the end of each phase
         self.in_use_peaks: dict[str, int] = {}  # the highest live heap (malloc'd bytes) per phase
         self.phase = "start"
+        self.seconds: dict[str, float] = {}  # wall time spent in each phase (all its entries)
+        self._entered = time.perf_counter()
         self._stop = threading.Event()
 
     def _sample(self) -> None:
@@ -133,6 +135,9 @@ class PhaseMemory(L.Callback):
             time.sleep(0.005)
 
     def _enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + now - self._entered
+        self._entered = now
         self.heap[self.phase] = {**heap_bytes(), "rss": rss_bytes()}
         rss = rss_bytes()
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
@@ -163,4 +168,5 @@ class PhaseMemory(L.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks, "heap": self.heap}
         figures["in_use_peaks"] = self.in_use_peaks
+        figures["seconds"] = self.seconds
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))
