@@ -96,8 +96,8 @@ def plan_from_config(
     the strategy (`Qwen3TTSFSDPStrategy` or Lightning's FSDP: sharding, cpu_offload, activation
     checkpointing and wrap policy; `Qwen3TTSFSDP2Strategy`: the FSDP2 layout with its layer classes,
     groups and ``reshard_after_forward``), ``data.max_frames_per_batch``, a `SpeakerSamplesCallback`
-    and when checkpoints are written (``checkpoint.every_n_train_steps``). Plain ``ddp`` (or several devices with no strategy) is planned as
-    NO_SHARD without checkpointing."""
+    and when checkpoints are written (``checkpoint.every_n_train_steps``). Plain ``ddp`` (or several
+    devices with no strategy) is planned as NO_SHARD without checkpointing."""
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
     data, model_cfg, trainer = cfg.data, cfg.model, cfg.trainer
