@@ -1,7 +1,7 @@
 """FSDP1 sharded checkpoints saved and loaded lean (tts_lightning.distributed.lean_state): the same
 keys, shapes and dtypes as FSDP's own sharded state dicts; every saved tensor a view of the rank's
 own shards (nothing gathered, nothing copied); read back bit-exactly, from a lean checkpoint or one
-of FSDP's own, on 2 ranks and on 1 (another world size). Forked gloo ranks, a small model with an
+of FSDP's own, on 2 ranks and on 1 (another world size). Spawned gloo ranks, a small model with an
 embedding unit, linear units, a 3-D weight and a buffer."""
 
 import os
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = pytest.mark.slow  # forked process groups
+pytestmark = pytest.mark.slow  # spawned process groups
 D, V, OUT = 24, 97, 13
 
 
@@ -165,7 +165,9 @@ def _ranks(rank, world, store, folder, results):
 
 def _run(world, folder, results):
     with tempfile.NamedTemporaryFile() as store:
-        mp.start_processes(_ranks, args=(world, store.name, folder, results), nprocs=world, start_method="fork")
+        # Spawned, not forked: the ranks run backward, which a child forked from a process whose autograd
+        # engine has started its threads refuses (whichever test ran before in this pytest worker).
+        mp.start_processes(_ranks, args=(world, store.name, folder, results), nprocs=world, start_method="spawn")
 
 
 def test_lean_checkpoints_match_fsdp_and_read_back_exactly(tmp_path):
