@@ -315,62 +315,104 @@ def test_samples_phase_is_planned(tiny_dir):
     plain = plan_memory("1.7b", **BASE)
     sampled = plan_memory("1.7b", **BASE, samples=True, sample_rows=4, sample_frames=600)
     assert sampled.samples_model == 2 * plain.total_parameters  # bf16 copy, never the fp32 model
-    assert sampled.samples_total == plain.model_states + plain.overhead + sampled.samples_model + sampled.samples_cache
+    # The samples run in validation, which Lightning starts by releasing the gradients (unless it
+    # falls between the micro-batches of one step).
+    at_validation = plain.parameters + plain.optimizer_states + plain.overhead
+    assert sampled.samples_total == at_validation + sampled.samples_model + sampled.samples_cache
+    mid = plan_memory("1.7b", **BASE, samples=True, sample_rows=4, sample_frames=600, validation_holds_gradients=True)
+    assert mid.samples_total == sampled.samples_total + plain.gradients
     assert sampled.total == max(plain.total, sampled.samples_total)
     assert "samples" in sampled.table()
     config = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16)
     assert config.samples and config.samples_cache > 0
 
 
-def test_checkpoints_after_validation_hold_no_gradients(tiny_dir, make_datamodule, tmp_path):
-    """The planner's save phase: a checkpoint written after validation (`ModelCheckpoint` on a
-    validation metric, the default) finds no gradient (Lightning releases them before validation,
-    ``on_validation_model_zero_grad``); one written at a training step's end
-    (``every_n_train_steps``) finds them all; the planner adds them only then."""
+# Each case: the Trainer and checkpoint settings; whether validation and each save find gradients;
+# the same settings as `fit` overrides for the planner, which must count the gradients exactly then.
+GRADIENT_CASES = {
+    # The default: a checkpoint on a validation metric, written after validation.
+    "after validation": ({}, {}, [{False}], [{False}], []),
+    # At training steps' ends (every_n_train_steps): every save holds them.
+    "every step": (
+        {},
+        {"every_n_train_steps": 1, "monitor": None},
+        [{False}],
+        [{True}, {True}],
+        ["--checkpoint.every_n_train_steps=1"],
+    ),
+    # Validation between the micro-batches of one step: it and the save after it hold them.
+    "mid accumulation": (
+        {"accumulate_grad_batches": 2, "val_check_interval": 3, "max_steps": 2},
+        {},
+        [{True}],
+        [{True}],
+        ["--trainer.accumulate_grad_batches=2", "--trainer.val_check_interval=3"],
+    ),
+    # No validation: the save at the (last) epoch's end, after the last step.
+    "no validation": ({"limit_val_batches": 0}, {"monitor": None}, [], [{True}], ["--trainer.limit_val_batches=0"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_gradients_at_validation_and_save_as_lightning_holds_them(case, tiny_dir, make_datamodule, tmp_path):
+    """The planner's save and samples phases: Lightning releases the gradients before validation
+    (``on_validation_model_zero_grad``) only at a step boundary, so a checkpoint written after
+    validation finds none, one written at a training step's end or with no validation before it
+    finds them all, and validation between micro-batches holds them. Real 1-process fits record
+    what each phase finds; the planner, given the same settings, counts the gradients exactly then."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tts_lightning import Qwen3TTSModule
 
-    class GradientsAtSave(L.Callback):
+    trainer_args, checkpoint_args, at_validation, at_save, overrides = GRADIENT_CASES[case]
+
+    class GradientsSeen(L.Callback):
         def __init__(self):
-            self.seen = []
+            self.validation, self.save = [], []
+
+        def _held(self, pl_module):
+            return {p.grad is not None for p in pl_module.parameters() if p.requires_grad}
+
+        def on_validation_start(self, trainer, pl_module):
+            self.validation.append(self._held(pl_module))
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-            trained = [p for p in pl_module.parameters() if p.requires_grad]
-            self.seen.append({p.grad is not None for p in trained})
+            self.save.append(self._held(pl_module))
 
-    for every_n_train_steps, expected in ((None, [{False}]), (1, [{True}, {True}])):
-        L.seed_everything(0)
-        data = make_datamodule()
-        probe = GradientsAtSave()
-        checkpoint = ModelCheckpoint(
-            dirpath=tmp_path / str(every_n_train_steps),
-            monitor=None if every_n_train_steps else "val/loss",
-            every_n_train_steps=every_n_train_steps,
-            save_top_k=-1 if every_n_train_steps else 1,
-        )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=2,
-            val_check_interval=2,
-            limit_val_batches=1,
-            num_sanity_val_steps=0,
-            logger=False,
-            callbacks=[checkpoint, probe],
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
-        assert probe.seen == expected, every_n_train_steps
+    L.seed_everything(0)
+    data = make_datamodule()
+    probe = GradientsSeen()
+    checkpoint_args = {"monitor": "val/loss", "save_top_k": -1, **checkpoint_args}
+    trainer_args = {"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1, **trainer_args}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, **checkpoint_args), probe],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_args,
+    )
+    trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
+    assert (probe.validation, probe.save) == (at_validation, at_save)
 
-    config = REPO / "configs" / "tiny-cpu.yaml"
-    after_validation = plan_from_config(config, 16, overrides=["--data.pretrained", str(tiny_dir)])
-    at_steps = plan_from_config(
-        config, 16, overrides=["--data.pretrained", str(tiny_dir), "--checkpoint.every_n_train_steps", "100"]
+    config, pretrained = REPO / "configs" / "tiny-cpu.yaml", ["--data.pretrained", str(tiny_dir)]
+    plan = plan_from_config(config, 16, overrides=[*pretrained, *overrides])
+    held = plan.gradients if True in at_save[-1] else 0
+    assert plan.checkpoint_save == plan.parameters + plan.optimizer_states + held + CUDA_OVERHEAD_BYTES
+    # The samples run in validation: with the gradients only when validation holds them.
+    sampled = plan_from_config(
+        config,
+        16,
+        overrides=[*pretrained, *overrides, "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback"],
     )
-    assert after_validation.checkpoint_save == (
-        after_validation.parameters + after_validation.optimizer_states + CUDA_OVERHEAD_BYTES
+    held = sampled.gradients if at_validation and True in at_validation[0] else 0
+    assert sampled.samples_total == (
+        sampled.parameters
+        + sampled.optimizer_states
+        + held
+        + CUDA_OVERHEAD_BYTES
+        + max(sampled.samples_model + sampled.samples_cache, sampled.speech_tokenizer)
     )
-    assert at_steps.checkpoint_save == after_validation.checkpoint_save + after_validation.gradients

@@ -159,11 +159,12 @@ def test_fsdp2_from_the_command_and_a_config(tmp_path, tiny_dir, capsys):
     assert plan.total == direct.total and plan.gradients == direct.gradients
 
 
-def test_fsdp2_resume_holds_gradients_as_torch_reads_the_optimizer_state():
+def test_torch_optimizer_state_reader_steps_once_on_zero_gradients():
     """torch's `get_optimizer_state_dict`, which FSDP2's resume calls on the fresh optimizer to have
     tensors to read the checkpoint into, creates the AdamW state with one zero-lr step on zero
     gradients: for that step every trainable parameter has a gradient. The planner's FSDP2 resume
-    counts them; FSDP1's does not (its reader builds the state from the checkpoint's)."""
+    counts them; FSDP1's does not (its reader builds the state from the checkpoint's), nor do the
+    quantized optimizers' (their per-rank state is read without it: `rank_local_state`)."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -184,3 +185,7 @@ def test_fsdp2_resume_holds_gradients_as_torch_reads_the_optimizer_state():
 
     assert fsdp2.resume == fsdp2.parameters + fsdp2.gradients + fsdp2.optimizer_states + CUDA_OVERHEAD_BYTES
     assert fsdp1.resume == fsdp1.parameters + fsdp1.optimizer_states + CUDA_OVERHEAD_BYTES
+    quantized = plan_memory("0.6b", **BASE, layout="fsdp2", optimizer="adamw8bit")
+    assert quantized.resume == max(
+        quantized.startup, quantized.parameters + quantized.optimizer_states + CUDA_OVERHEAD_BYTES
+    )

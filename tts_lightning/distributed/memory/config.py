@@ -96,7 +96,8 @@ def plan_from_config(
     the strategy (`Qwen3TTSFSDPStrategy` or Lightning's FSDP: sharding, cpu_offload, activation
     checkpointing and wrap policy; `Qwen3TTSFSDP2Strategy`: the FSDP2 layout with its layer classes,
     groups and ``reshard_after_forward``), ``data.max_frames_per_batch``, a `SpeakerSamplesCallback`
-    and when checkpoints are written (``checkpoint.every_n_train_steps``). Plain ``ddp`` (or several
+    and when checkpoints and validation find the gradients held (`ModelCheckpoint` settings,
+    validation, gradient accumulation). Plain ``ddp`` (or several
     devices with no strategy) is planned as NO_SHARD without checkpointing."""
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
@@ -139,10 +140,47 @@ def plan_from_config(
         groups=strategy.groups,
         optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
         text_embedding_blocks=int(_get(model_cfg, "text_embedding_blocks", DEFAULT_TEXT_EMBEDDING_BLOCKS)),
-        save_at_train_steps=bool(
-            _get(_get(cfg, "checkpoint"), "every_n_train_steps") or _get(_get(cfg, "checkpoint"), "train_time_interval")
-        ),
+        save_at_train_steps=_saves_hold_gradients(cfg),
+        validation_holds_gradients=_validation_holds_gradients(trainer),
     )
+
+
+def _checkpoint_callbacks(cfg: Any) -> list[Any]:
+    """The init_args of every `ModelCheckpoint`: the ``checkpoint:`` section and any in trainer.callbacks."""
+    callbacks = _get(_get(cfg, "trainer"), "callbacks") or []
+    extra = [_get(c, "init_args") for c in callbacks if str(_get(c, "class_path", "")).endswith("ModelCheckpoint")]
+    return [c for c in [_get(cfg, "checkpoint"), *extra] if c is not None]
+
+
+def _saves_hold_gradients(cfg: Any) -> bool:
+    """Whether checkpoints can be written with the last step's gradients held: at training steps'
+    ends, or at an epoch's end with no validation (none at all, or not every epoch) before it."""
+    trainer, data = _get(cfg, "trainer"), _get(cfg, "data")
+    no_validation = _get(trainer, "limit_val_batches") == 0 or (
+        not _get(data, "val_manifest") and not _get(data, "val_fraction", 0.1)
+    )
+    interval = _get(trainer, "val_check_interval")
+    at_epoch_end = interval is None or (isinstance(interval, float) and interval == 1.0)  # int 1: every batch
+    every_epoch = _get(trainer, "check_val_every_n_epoch", 1) == 1 and at_epoch_end
+    return any(
+        _get(c, "every_n_train_steps")
+        or _get(c, "train_time_interval")
+        or (_get(c, "save_on_train_epoch_end") and not every_epoch)
+        for c in _checkpoint_callbacks(cfg)
+    ) or (no_validation and bool(_checkpoint_callbacks(cfg)))
+
+
+def _validation_holds_gradients(trainer: Any) -> bool:
+    """Whether validation can start between the micro-batches of one step (gradient accumulation
+    with validation every N batches, N not a multiple, or at a fraction of the epoch): Lightning
+    releases the gradients before validation only at a step boundary. An epoch's last batch always steps."""
+    accumulate = int(_get(trainer, "accumulate_grad_batches", 1) or 1)
+    interval = _get(trainer, "val_check_interval")
+    if accumulate == 1 or interval is None:
+        return False
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        return interval % accumulate != 0
+    return float(interval) < 1.0
 
 
 def _pretrained(path: str, data: Any, model_cfg: Any) -> str:

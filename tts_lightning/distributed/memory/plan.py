@@ -19,6 +19,7 @@ from tts_lightning.distributed.memory.optimizer_bytes import STEP_BYTES, option_
 from tts_lightning.distributed.memory.presets import resolve_config
 from tts_lightning.distributed.memory.settings import PRECISIONS, SHARDINGS, PlanSettings
 from tts_lightning.distributed.memory.shapes import ModelShape, Unit, model_shape
+from tts_lightning.model.optimizers import quantized_moments
 from tts_lightning.model.parameters import matches
 
 __all__ = [
@@ -214,7 +215,9 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         samples_model, samples_cache = _sampling(shape, settings)
         if not tokenizer:
             notes.append("the speech tokenizer is not counted (plan a local pretrained directory to count it)")
-        samples_total = persistent + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
+        # The samples run in validation, which Lightning starts by releasing the gradients.
+        at_validation = persistent - (0 if settings.validation_holds_gradients else states.gradients)
+        samples_total = at_validation + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
         notes.append(
             f"samples: rank 0 gathers the fp32 weights to host memory first "
             f"({4 * shape.numel / GiB:.1f} GiB of RAM, released before generation)"
@@ -407,7 +410,8 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
       views of the shards: `tts_lightning.distributed.lean_state`, FSDP2's DTensors), without
       gradients where the checkpoint is written after validation (Lightning releases them before
       it: ``on_validation_model_zero_grad``; measured: benchmarks/phase_memory.py), with them where
-      it is written at a training step's end (``save_at_train_steps``); on a GPU the writer copies each
+      it is written while they are held (``save_at_train_steps``, ``validation_holds_gradients``);
+      on a GPU the writer copies each
       tensor to host memory and keeps the copies until the rank's file is written (a torch
       behaviour): the parameters and AdamW state of the rank, in host memory;
     - resume: the model built first (the start, with its transient), then the parameters and the
@@ -415,16 +419,19 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
       freed before the checkpoint is read (measured: benchmarks/phase_memory.py). FSDP1 reads the
       optimizer state without gradients; FSDP2's reader (torch's `get_optimizer_state_dict`) first
       creates the state with one zero-learning-rate step on zero gradients, so the gradients are
-      there too (tests/distributed/test_memory_fsdp2.py pins that torch behaviour)."""
+      there while it does (tests/distributed/test_memory_fsdp2.py pins that torch behaviour); the
+      quantized optimizers' per-rank state is read without it (`rank_local_state`)."""
     if settings.fsdp2:
         whole = 2 * 4 * max((n for u in shape.units for _, n in u.params), default=0)
     else:
         whole = 2 * 4 * max((u.numel for u in shape.units[1:]), default=0)
     startup = states.parameters + whole + CUDA_OVERHEAD_BYTES
-    held = states.parameters + states.optimizer + (states.gradients if settings.save_at_train_steps else 0)
+    gradients_held = settings.save_at_train_steps or settings.validation_holds_gradients
+    held = states.parameters + states.optimizer + (states.gradients if gradients_held else 0)
     save = held + CUDA_OVERHEAD_BYTES
     host = 0 if settings.cpu_offload else states.parameters + states.optimizer
-    read_into = states.parameters + states.optimizer + (states.gradients if settings.fsdp2 else 0)
+    zero_step = settings.fsdp2 and quantized_moments(settings.optimizer) is None  # torch's reader steps once
+    read_into = states.parameters + states.optimizer + (states.gradients if zero_step else 0)
     resume = max(startup, read_into + CUDA_OVERHEAD_BYTES)
     return startup, save, host, resume
 

@@ -39,9 +39,13 @@ class PlanSettings:
             layer classes (the strategy's ``layer_classes``) and ``groups`` its module-name groups.
         optimizer: `Qwen3TTSModule`'s ``optimizer`` (bytes per value in `optimizer_bytes.py`).
         text_embedding_blocks: `Qwen3TTSModule`'s row blocks of the text embedding (FSDP units).
-        save_at_train_steps: checkpoints are written at training steps' ends (`ModelCheckpoint`'s
-            ``every_n_train_steps`` or ``train_time_interval``), with the gradients still held;
-            otherwise after validation, which Lightning starts by releasing them.
+        save_at_train_steps: checkpoints are written while the last step's gradients are held: at
+            training steps' ends (`ModelCheckpoint`'s ``every_n_train_steps`` or
+            ``train_time_interval``, `ray-fit`'s reports) or at an epoch's end with no validation
+            before it; otherwise after validation, which Lightning starts by releasing them.
+        validation_holds_gradients: validation can start in the middle of gradient accumulation
+            (Lightning releases the gradients before validation only at a step boundary): then
+            validation, the samples and the checkpoint after it hold them.
     """
 
     gpus: int
@@ -62,6 +66,7 @@ class PlanSettings:
     optimizer: str = "adamw"
     text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS
     save_at_train_steps: bool = False
+    validation_holds_gradients: bool = False
 
     def __post_init__(self) -> None:
         from tts_lightning.model.optimizers import OPTIMIZERS
