@@ -111,10 +111,11 @@ class PhaseMemory(L.Callback):
     ``start`` (setup: imports done, data prepared, to the first step: model built, loaded and sharded,
     a checkpoint read back when resuming), ``step`` (training steps), ``validate``, ``save`` (after
     validation, where `ModelCheckpoint` writes: it runs after this callback), and the baseline
-    before the model existed."""
+    before the model existed. ``trim``: call glibc's ``malloc_trim(0)`` at each phase's (and each
+    step's) start, to see how much of RSS above the live heap is freed memory kept across phases."""
 
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = Path(out_dir)
+    def __init__(self, out_dir: str, trim: bool = False) -> None:
+        self.out_dir, self.trim, self.trim_seconds = Path(out_dir), trim, 0.0
         self.peaks: dict[str, int] = {}
         self.heap: dict[str, dict[str, int]] = {}  # glibc's heap at the end of each phase
         self.in_use_peaks: dict[str, int] = {}  # the highest live heap (malloc'd bytes) per phase
@@ -135,6 +136,10 @@ class PhaseMemory(L.Callback):
             time.sleep(0.005)
 
     def _enter(self, phase: str) -> None:
+        if self.trim:  # return glibc's freed heap to the kernel before the phase starts
+            started = time.perf_counter()
+            _LIBC.malloc_trim(0)
+            self.trim_seconds += time.perf_counter() - started
         now = time.perf_counter()
         self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + now - self._entered
         self._entered = now
@@ -169,4 +174,5 @@ class PhaseMemory(L.Callback):
         figures = {"rank": trainer.global_rank, "baseline": self.baseline, "peaks": self.peaks, "heap": self.heap}
         figures["in_use_peaks"] = self.in_use_peaks
         figures["seconds"] = self.seconds
+        figures["trim_seconds"] = self.trim_seconds
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(figures))

@@ -21,6 +21,7 @@ and ~1 GiB of imports per process (in the baseline). The live heap column is gli
     PYTHONPATH=. python benchmarks/phase_memory.py --config configs/tiny-cpu-fsdp2.yaml  # FSDP2
     PYTHONPATH=. python benchmarks/phase_memory.py --size 1.7b --validate                # 1.7B validate
     PYTHONPATH=. python benchmarks/phase_memory.py --small     # ~93M parameters, ~5 GiB (--talker-layers N: mid size)
+    PYTHONPATH=. python benchmarks/phase_memory.py --small --trim  # glibc's malloc_trim at each phase and step
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> int:
     )
     parser.add_argument("--small", action="store_true", help="released_dir.SMALL's sizes (~93M parameters)")
     parser.add_argument("--validate", action="store_true", help="only `validate` the pretrained weights")
+    parser.add_argument("--trim", action="store_true", help="malloc_trim(0) at each phase's and step's start")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     from released_dir import build_released_dir
@@ -112,6 +114,7 @@ def main() -> int:
         "--trainer.logger.init_args.save_dir",
         str(args.work / "run"),
         "--trainer.callbacks+=memory_probe.PhaseMemory",
+        *(["--trainer.callbacks.trim", "true"] if args.trim else []),
     ]
     if args.validate:
         command([*common, "--trainer.callbacks.out_dir", str(args.work / "validate")], args.work, "validate")
