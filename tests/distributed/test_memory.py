@@ -416,3 +416,30 @@ def test_gradients_at_validation_and_save_as_lightning_holds_them(case, tiny_dir
         + CUDA_OVERHEAD_BYTES
         + max(sampled.samples_model + sampled.samples_cache, sampled.speech_tokenizer)
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, held",
+    [
+        ([], False),
+        (["--checkpoint.train_time_interval=0:10:00"], True),
+        # tiny-cpu.yaml validates every 20 steps, not at each epoch's end: an epoch-end save may follow steps.
+        (["--checkpoint.save_on_train_epoch_end=true"], True),
+        (["--data.val_fraction=0"], True),  # no validation at all
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=20"], False),  # a step boundary
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=0.5"], True),  # unknown: counted
+        (
+            [
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                "--trainer.callbacks.every_n_train_steps=50",
+            ],
+            True,
+        ),
+    ],
+)
+def test_planner_reads_every_setting_that_saves_with_gradients(tiny_dir, overrides, held):
+    """The config settings besides the four fitted above under which a save holds the gradients."""
+    config = REPO / "configs" / "tiny-cpu.yaml"
+    plan = plan_from_config(config, 16, overrides=["--data.pretrained", str(tiny_dir), *overrides])
+    gradients = plan.gradients if held else 0
+    assert plan.checkpoint_save == plan.parameters + plan.optimizer_states + gradients + CUDA_OVERHEAD_BYTES
