@@ -216,3 +216,40 @@ def test_adapter_only_export_with_extras_loads_in_peft(extras_checkpoint, tiny_d
         torch.testing.assert_close(ours.talker_logits, out.talker_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours.predictor_logits, out.predictor_logits, atol=1e-5, rtol=1e-5)
     assert (ours.talker_logits - plain.talker_logits).abs().max() > 1e-3  # adapters and head trained
+
+
+@pytest.mark.parametrize("adapter", [None, ADAPTER], ids=["plain", "lora"])
+def test_copy_model_frees_the_gathered_state_as_it_copies(tiny_dir, adapter):
+    """`copy_model(state=...)` (the samples callback's copy from a gathered full state) removes each
+    value from the state once copied and keeps no reference to it: on a CPU run, where the gathered
+    fp32 state and an fp32 copy both live in host memory, they hold about one model together, not
+    two. The copy equals the one made from the parameters (LoRA merged)."""
+    import weakref
+
+    from tts_lightning.model.loading import copy_model
+
+    module = _module(tiny_dir, adapter=adapter)
+    with torch.no_grad():
+        for name, p in module.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    reference = copy_model(module.model, dtype=torch.float32, device="cpu")
+
+    refs: dict[str, weakref.ref] = {}
+    alive_when_popped: list[int] = []  # values popped before this pop that are still referenced
+
+    class Gathered(dict):
+        def pop(self, key, *default):
+            alive_when_popped.append(sum(refs[n]() is not None for n in refs if n not in self))
+            return super().pop(key, *default)
+
+    state = Gathered({name: p.detach().clone() for name, p in module.model.named_parameters()})
+    refs.update({name: weakref.ref(value) for name, value in state.items()})
+    copy = copy_model(module.model, dtype=torch.float32, device="cpu", state=state)
+    assert len(state) == 0 and all(r() is None for r in refs.values())  # nothing kept, nothing aliased
+    assert len(alive_when_popped) == len(refs)
+    # Each value is freed as soon as it is popped (LoRA: a layer's base and adapters go together).
+    assert max(alive_when_popped) <= (0 if adapter is None else 2), alive_when_popped
+    copied, expected = dict(copy.named_parameters()), dict(reference.named_parameters())
+    assert copied.keys() == expected.keys()
+    assert all(torch.equal(copied[k], expected[k]) for k in expected)

@@ -20,6 +20,7 @@ on the meta device first (`MetaWeights.cast_frozen`).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -239,7 +240,9 @@ def copy_model(
 
     ``state``: the full values to copy instead of the parameters' own, by ``model``'s parameter
     names (under FSDP, whose parameters are shards: the full state gathered to this rank's host
-    memory, e.g. by ``get_model_state_dict(model, full_state_dict=True, cpu_offload=True)``)."""
+    memory, e.g. by ``get_model_state_dict(model, full_state_dict=True, cpu_offload=True)``). It is
+    consumed: each entry is removed once copied, so the gathered state and the copy together hold
+    about one model, not two (where both are in host memory: CPU runs)."""
     from transformers.integrations.accelerate import init_empty_weights
 
     from tts_lightning.model.lora import MergedWeights
@@ -247,14 +250,19 @@ def copy_model(
     source = MergedWeights(model, state)  # plain names; LoRA adapters (if any) merged as each is read
     with init_empty_weights(include_buffers=False):
         copy = type(model)(model.config)
+    targets = [
+        (module, name, f"{prefix}.{name}" if prefix else name)
+        for prefix, module in copy.named_modules()
+        for name, _ in list(module.named_parameters(recurse=False))
+    ]
+    reads_left = Counter(key for _, _, key in targets)  # a tied weight is read once per module
     with torch.no_grad():
-        for prefix, module in copy.named_modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                key = f"{prefix}.{name}" if prefix else name
-                if key not in source:
-                    raise KeyError(f"the weights to copy lack {key!r}")
-                value = source[key].detach()
-                module._parameters[name] = nn.Parameter(
-                    value.to(device=device, dtype=dtype, copy=True), requires_grad=False
-                )
+        for module, name, key in targets:
+            if key not in source:
+                raise KeyError(f"the weights to copy lack {key!r}")
+            value = source[key].detach().to(device=device, dtype=dtype, copy=True)
+            module._parameters[name] = nn.Parameter(value, requires_grad=False)
+            reads_left[key] -= 1
+            if state is not None and reads_left[key] == 0:
+                source.release(key)
     return copy.to(device).eval()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -200,6 +200,8 @@ class MergedWeights(Mapping):
 
         if state is None:
             state = {name: p for name, p in model.named_parameters()}
+        self._state = state
+        self._original = {clean_tensor_name(name): name for name in state}
         self._params = {clean_tensor_name(name): value for name, value in state.items()}
         self._scaling: dict[str, float] = {}
         for name, module in model.named_modules():
@@ -223,6 +225,23 @@ class MergedWeights(Mapping):
             b = self._params[f"{layer}.lora_B.{ADAPTER_NAME}.weight"].detach()
             value = merge(value, a, b, self._scaling[layer]).to(value.dtype)
         return value
+
+    def release(self, key: str) -> None:
+        """Drop the values ``key`` is read from, here and in ``state`` (which the caller hands over):
+        a copy built from a gathered full state then frees it as it goes."""
+        if key in self._blocks:
+            for block in self._blocks[key]:
+                self.release(block)
+            return
+        name = self._names[key]
+        names = [name]
+        if name.endswith(".base_layer.weight"):
+            layer = name[: -len(".base_layer.weight")]
+            names += [f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
+        for n in names:
+            del self._params[n]
+            if isinstance(self._state, MutableMapping):
+                self._state.pop(self._original[n], None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
