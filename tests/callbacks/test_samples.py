@@ -531,3 +531,48 @@ def test_a_failing_sampling_round_is_skipped_and_training_goes_on(tiny_dir, demo
 
     stopped = run_cli(*args, "--trainer.callbacks.on_error", "raise", cwd=tmp_path, pythonpath=[here], check=False)
     assert stopped.returncode != 0 and "injected decoding failure" in stopped.stdout + stopped.stderr
+
+
+def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule, tmp_path):
+    """Under FSDP rank 0 generates with a copy of the model gathered from the shards (one process
+    here: NO_SHARD, as the 1-GPU configs run); the copy must be gone when the samples are decoded
+    and scored (the planner counts the speech tokenizer *instead of* the copy), at the zero-shot
+    baseline and after validation. It used to live on in the caller's variable until the round ended."""
+    import weakref
+
+    from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+
+    class CopyWatch(SpeakerSamplesCallback):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.copies, self.alive_at_decode = [], []
+
+        def _generate(self, trainer, pl_module, model, baseline):
+            self.copies.append(weakref.ref(model))
+            assert model is not pl_module.model  # a gathered copy, not the training model
+            return super()._generate(trainer, pl_module, model, baseline)
+
+        def _log_and_score(self, *args, **kwargs):
+            self.alive_at_decode.append(self.copies[-1]() is not None)
+            return super()._log_and_score(*args, **kwargs)
+
+    data = make_datamodule()
+    watch = CopyWatch(texts=TEXTS[:1], max_new_tokens=4, similarity=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=Qwen3TTSFSDPStrategy(),
+        use_distributed_sampler=False,  # the data module shards its own batches
+        max_steps=1,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(str(tmp_path)),
+        callbacks=[watch],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
+    assert len(watch.copies) == 2  # the baseline at fit start and the round after validation
+    assert watch.alive_at_decode == [False, False]

@@ -41,6 +41,7 @@ training and checkpointing; ``on_error: raise`` stops the run on every rank inst
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -288,11 +289,9 @@ class SpeakerSamplesCallback(Callback):
         # Sampling, and building the tokenizers and the encoder (random init before loading), draw
         # from the global RNG: training's stream must not see it.
         try:  # building rank 0's copy can fail too (out of memory): it must reach the broadcast as well
-            with generation_model(trainer, pl_module) as model:
-                if model is not None:
-                    with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
-                        generated = self._generate(trainer, pl_module, model, baseline)
+            generated = self._generate_on_copy(trainer, pl_module, baseline)
         except Exception as exc:  # raised on every rank below, after the broadcast
+            traceback.clear_frames(exc.__traceback__)  # the failed frames' locals would keep the copy
             error = exc
         if generated is not None:  # rank 0, the generation copy freed
             try:
@@ -318,6 +317,18 @@ class SpeakerSamplesCallback(Callback):
             "(on_error: raise makes this stop the run)",
         )
         return FAILED
+
+    def _generate_on_copy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, baseline: bool):
+        """Collective on all ranks (the copy is gathered): `_generate` on rank 0's generation copy,
+        None elsewhere. The copy is freed on return, before anything is decoded or scored."""
+        with generation_model(trainer, pl_module) as model:
+            if model is None:
+                return None
+            try:
+                with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
+                    return self._generate(trainer, pl_module, model, baseline)
+            finally:
+                del model  # the context's reference is then the last one: it frees the copy on exit
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def _generate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, model: nn.Module, baseline: bool):
