@@ -109,7 +109,8 @@ class StartupMemory(L.Callback):
 class PhaseMemory(L.Callback):
     """This rank's peak resident memory in each phase of a run, written to ``out_dir/rank<N>.json``:
     ``start`` (setup: imports done, data prepared, to the first step: model built, loaded and sharded,
-    a checkpoint read back when resuming), ``step`` (training steps), ``validate``, ``save`` (after
+    a checkpoint read back when resuming), ``step`` (training steps), ``validate`` (its batches),
+    ``validation end`` (after the last batch: the samples callback when there is one), ``save`` (after
     validation, where `ModelCheckpoint` writes: it runs after this callback), and the baseline
     before the model existed. ``trim``: call glibc's ``malloc_trim(0)`` at each phase's (and each
     step's) start, to see how much of RSS above the live heap is freed memory kept across phases."""
@@ -160,6 +161,13 @@ class PhaseMemory(L.Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._enter("validate")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._enter("validate")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        # What follows the last batch is the validation epoch's end: metrics and the samples callback.
+        self._enter("validation end")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._enter("save")

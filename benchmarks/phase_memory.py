@@ -22,6 +22,7 @@ and ~1 GiB of imports per process (in the baseline). The live heap column is gli
     PYTHONPATH=. python benchmarks/phase_memory.py --size 1.7b --validate                # 1.7B validate
     PYTHONPATH=. python benchmarks/phase_memory.py --small     # ~93M parameters, ~5 GiB (--talker-layers N: mid size)
     PYTHONPATH=. python benchmarks/phase_memory.py --small --trim  # glibc's malloc_trim at each phase and step
+    PYTHONPATH=. python benchmarks/phase_memory.py --samples   # with the samples callback (validation end)
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="released_dir.SMALL's sizes (~93M parameters)")
     parser.add_argument("--validate", action="store_true", help="only `validate` the pretrained weights")
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) at each phase's and step's start")
+    parser.add_argument(
+        "--samples", action="store_true", help="with SpeakerSamplesCallback (8 new tokens, no similarity scorer)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     from released_dir import build_released_dir
@@ -103,10 +107,15 @@ def main() -> int:
         "--trainer.num_sanity_val_steps",
         "0",
     ]
+    samples = []
+    if args.samples:  # rank 0 gathers the full weights to host memory and generates at the validation's end
+        samples += ["--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback"]
+        samples += ["--trainer.callbacks.max_new_tokens", "8", "--trainer.callbacks.similarity", "false"]
     common = [
         "--config",
         args.config,
         *overrides,
+        *samples,
         "--data.cache_dir",
         str(args.work / "cache"),
         "--trainer.default_root_dir",
@@ -137,6 +146,16 @@ def main() -> int:
         "resume": plan.resume,
     }
     planned = {k: 2 * (v - CUDA_OVERHEAD_BYTES) for k, v in planned.items()}  # two ranks, no CUDA here
+    if args.samples:
+        # Rank 0 at the samples' peak: what the planner's sampling phase holds besides the copy (its
+        # GPU is this host), and the larger of the full fp32 weights gathered to host memory (the copy
+        # is built from them as they are freed) and the copy with its KV cache; rank 1 holds its
+        # parameters and optimizer state.
+        sampled = plan_from_config(args.config, 1000, overrides=[*overrides, *samples])
+        generation = max(sampled.samples_model + sampled.samples_cache, sampled.speech_tokenizer)
+        held = sampled.samples_total - CUDA_OVERHEAD_BYTES - generation
+        rank1 = plan.parameters + plan.optimizer_states
+        planned["validation end"] = held + max(4 * plan.total_parameters, generation) + rank1
     fit_total, fit_above = phases(args.work / "fit")
     resume_total, resume_above = phases(args.work / "resume")
     fit_live, resume_live = live_heap(args.work / "fit"), live_heap(args.work / "resume")
@@ -144,6 +163,7 @@ def main() -> int:
         "start": fit_live.get("start"),
         "step": fit_live.get("step"),
         "validate": fit_live.get("validate"),
+        "validation end": fit_live.get("validation end"),
         "save": fit_live.get("save"),
         "resume": resume_live.get("start"),
         "step after resume": resume_live.get("step"),
@@ -152,6 +172,12 @@ def main() -> int:
         ("start", fit_total.get("start"), fit_above.get("start"), planned["start"]),
         ("step", fit_total.get("step"), fit_above.get("step"), planned["step"]),
         ("validate", fit_total.get("validate"), fit_above.get("validate"), None),
+        (
+            "validation end",
+            fit_total.get("validation end"),
+            fit_above.get("validation end"),
+            planned.get("validation end"),
+        ),
         ("save", fit_total.get("save"), fit_above.get("save"), planned["save"]),
         ("resume", resume_total.get("start"), resume_above.get("start"), planned["resume"]),
         ("step after resume", resume_total.get("step"), resume_above.get("step"), planned["step"]),
