@@ -533,11 +533,13 @@ def test_a_failing_sampling_round_is_skipped_and_training_goes_on(tiny_dir, demo
     assert stopped.returncode != 0 and "injected decoding failure" in stopped.stdout + stopped.stderr
 
 
-def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule, tmp_path):
+@pytest.mark.parametrize("fail", [False, True], ids=["generated", "generation failed"])
+def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule, tmp_path, fail):
     """Under FSDP rank 0 generates with a copy of the model gathered from the shards (one process
     here: NO_SHARD, as the 1-GPU configs run); the copy must be gone when the samples are decoded
     and scored (the planner counts the speech tokenizer *instead of* the copy), at the zero-shot
-    baseline and after validation. It used to live on in the caller's variable until the round ended."""
+    baseline and after validation, and when generation failed (the round is skipped, training goes
+    on). It used to live on in the caller's variable until the round ended."""
     import weakref
 
     from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
@@ -545,16 +547,23 @@ def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule,
     class CopyWatch(SpeakerSamplesCallback):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.copies, self.alive_at_decode = [], []
+            self.copies, self.alive_at_decode, self.alive_after_round = [], [], []
 
         def _generate(self, trainer, pl_module, model, baseline):
             self.copies.append(weakref.ref(model))
             assert model is not pl_module.model  # a gathered copy, not the training model
+            if fail:
+                raise RuntimeError("injected: generation failed")
             return super()._generate(trainer, pl_module, model, baseline)
 
         def _log_and_score(self, *args, **kwargs):
             self.alive_at_decode.append(self.copies[-1]() is not None)
             return super()._log_and_score(*args, **kwargs)
+
+        def _sample_collectively(self, *args, **kwargs):
+            values = super()._sample_collectively(*args, **kwargs)
+            self.alive_after_round.append(self.copies[-1]() is not None)
+            return values
 
     data = make_datamodule()
     watch = CopyWatch(texts=TEXTS[:1], max_new_tokens=4, similarity=False)
@@ -575,4 +584,6 @@ def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule,
     )
     trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
     assert len(watch.copies) == 2  # the baseline at fit start and the round after validation
-    assert watch.alive_at_decode == [False, False]
+    assert watch.alive_at_decode == ([] if fail else [False, False])
+    assert watch.alive_after_round == [False, False]
+    assert trainer.global_step == 1

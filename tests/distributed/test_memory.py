@@ -418,6 +418,9 @@ def test_gradients_at_validation_and_save_as_lightning_holds_them(case, tiny_dir
     )
 
 
+EVERY_EPOCH = ["--trainer.check_val_every_n_epoch=1"]
+
+
 @pytest.mark.parametrize(
     "overrides, held",
     [
@@ -426,8 +429,12 @@ def test_gradients_at_validation_and_save_as_lightning_holds_them(case, tiny_dir
         # tiny-cpu.yaml validates every 20 steps, not at each epoch's end: an epoch-end save may follow steps.
         (["--checkpoint.save_on_train_epoch_end=true"], True),
         (["--data.val_fraction=0"], True),  # no validation at all
-        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=20"], False),  # a step boundary
-        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=0.5"], True),  # unknown: counted
+        # Every 20 batches of an epoch: a step boundary (windows restart with each epoch).
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=20", *EVERY_EPOCH], False),
+        # Every 20 batches counted across epochs (tiny-cpu.yaml's check_val_every_n_epoch: null): not.
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=20"], True),
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=0.5", *EVERY_EPOCH], True),
+        (["--trainer.accumulate_grad_batches=4", "--trainer.val_check_interval=00:00:10:00"], True),  # a clock
         (
             [
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",

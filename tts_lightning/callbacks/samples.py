@@ -291,7 +291,9 @@ class SpeakerSamplesCallback(Callback):
         try:  # building rank 0's copy can fail too (out of memory): it must reach the broadcast as well
             generated = self._generate_on_copy(trainer, pl_module, baseline)
         except Exception as exc:  # raised on every rank below, after the broadcast
-            traceback.clear_frames(exc.__traceback__)  # the failed frames' locals would keep the copy
+            _drop_frame_locals(exc)  # the failed frames' locals would keep the copy alive
+            if pl_module.device.type == "cuda":
+                torch.cuda.empty_cache()  # the copy's blocks, freed only now
             error = exc
         if generated is not None:  # rank 0, the generation copy freed
             try:
@@ -460,3 +462,14 @@ class SpeakerSamplesCallback(Callback):
 
             self._speech = load_speech_tokenizer(check_pretrained(pl_module.hparams["pretrained"]), device="cpu")
         return self._speech
+
+
+def _drop_frame_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback and in those of the
+    exceptions it was raised from or during (its lines stay, to be shown or raised again)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__

@@ -20,7 +20,6 @@ on the meta device first (`MetaWeights.cast_frozen`).
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -252,17 +251,15 @@ def copy_model(
         copy = type(model)(model.config)
     targets = [
         (module, name, f"{prefix}.{name}" if prefix else name)
-        for prefix, module in copy.named_modules()
+        for prefix, module in copy.named_modules()  # each module once, so each key is read once
         for name, _ in list(module.named_parameters(recurse=False))
     ]
-    reads_left = Counter(key for _, _, key in targets)  # a tied weight is read once per module
     with torch.no_grad():
         for module, name, key in targets:
             if key not in source:
                 raise KeyError(f"the weights to copy lack {key!r}")
             value = source[key].detach().to(device=device, dtype=dtype, copy=True)
             module._parameters[name] = nn.Parameter(value, requires_grad=False)
-            reads_left[key] -= 1
-            if state is not None and reads_left[key] == 0:
+            if state is not None:
                 source.release(key)
     return copy.to(device).eval()

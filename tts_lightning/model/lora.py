@@ -243,6 +243,11 @@ class MergedWeights(Mapping):
             if isinstance(self._state, MutableMapping):
                 self._state.pop(self._original[n], None)
 
+    def __contains__(self, key: object) -> bool:  # without reading (joining, merging) the value
+        if key in self._blocks:
+            return all(self._names[block] in self._params for block in self._blocks[key])
+        return key in self._names and self._names[key] in self._params
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 

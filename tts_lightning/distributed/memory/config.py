@@ -171,16 +171,20 @@ def _saves_hold_gradients(cfg: Any) -> bool:
 
 
 def _validation_holds_gradients(trainer: Any) -> bool:
-    """Whether validation can start between the micro-batches of one step (gradient accumulation
-    with validation every N batches, N not a multiple, or at a fraction of the epoch): Lightning
-    releases the gradients before validation only at a step boundary. An epoch's last batch always steps."""
+    """Whether validation can start between the micro-batches of one step: Lightning releases the
+    gradients before validation only at a step boundary. Accumulation windows restart with each
+    epoch (whose last batch always steps), so validation every N batches of an epoch lands on a
+    boundary when N is a multiple of the window; N batches counted across epochs
+    (``check_val_every_n_epoch: null``), a fraction of the epoch or a time interval may not."""
     accumulate = int(_get(trainer, "accumulate_grad_batches", 1) or 1)
     interval = _get(trainer, "val_check_interval")
     if accumulate == 1 or interval is None:
         return False
-    if isinstance(interval, int) and not isinstance(interval, bool):
-        return interval % accumulate != 0
-    return float(interval) < 1.0
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        return True  # a time interval: validation starts whenever the clock says
+    if isinstance(interval, float):
+        return interval < 1.0
+    return _get(trainer, "check_val_every_n_epoch", 1) is None or interval % accumulate != 0
 
 
 def _pretrained(path: str, data: Any, model_cfg: Any) -> str:

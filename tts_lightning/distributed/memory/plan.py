@@ -131,7 +131,7 @@ class MemoryPlan:
         if self.samples:
             lines += [
                 "  samples (SpeakerSamplesCallback, rank 0, after validation):",
-                f"    model states + generation copy {g(self.samples_model)} + KV cache {g(self.samples_cache)}"
+                f"    states + generation copy {g(self.samples_model)} + KV cache {g(self.samples_cache)}"
                 f" + CUDA, then the speech tokenizer {g(self.speech_tokenizer)} instead of the copy",
                 f"    total at the sampling peak                     {g(self.samples_total)}",
             ]
