@@ -249,17 +249,14 @@ def copy_model(
     source = MergedWeights(model, state)  # plain names; LoRA adapters (if any) merged as each is read
     with init_empty_weights(include_buffers=False):
         copy = type(model)(model.config)
-    targets = [
-        (module, name, f"{prefix}.{name}" if prefix else name)
-        for prefix, module in copy.named_modules()  # each module once, so each key is read once
-        for name, _ in list(module.named_parameters(recurse=False))
-    ]
     with torch.no_grad():
-        for module, name, key in targets:
-            if key not in source:
-                raise KeyError(f"the weights to copy lack {key!r}")
-            value = source[key].detach().to(device=device, dtype=dtype, copy=True)
-            module._parameters[name] = nn.Parameter(value, requires_grad=False)
-            if state is not None:
-                source.release(key)
+        for prefix, module in copy.named_modules():  # each module once, so each key is read once
+            for name, _ in list(module.named_parameters(recurse=False)):
+                key = f"{prefix}.{name}" if prefix else name
+                if key not in source:
+                    raise KeyError(f"the weights to copy lack {key!r}")
+                value = source[key].detach().to(device=device, dtype=dtype, copy=True)
+                module._parameters[name] = nn.Parameter(value, requires_grad=False)
+                if state is not None:
+                    source.release(key)
     return copy.to(device).eval()

@@ -214,34 +214,32 @@ class MergedWeights(Mapping):
         self._blocks = block_groups(self._names)
         self._keys = official_layout(self._names)
 
+    def _sources(self, key: str) -> list[str]:
+        """The names ``key`` (not a blocked embedding) is read from: its own, and a LoRA layer's adapters."""
+        name = self._names[key]
+        if not name.endswith(".base_layer.weight"):
+            return [name]
+        layer = name[: -len(".base_layer.weight")]
+        return [name, f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
+
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._blocks:
             return join_blocks({k: self[k] for k in self._blocks[key]}, self._blocks[key])
-        name = self._names[key]
-        value = self._params[name].detach()
-        if name.endswith(".base_layer.weight"):
-            layer = name[: -len(".base_layer.weight")]
-            a = self._params[f"{layer}.lora_A.{ADAPTER_NAME}.weight"].detach()
-            b = self._params[f"{layer}.lora_B.{ADAPTER_NAME}.weight"].detach()
-            value = merge(value, a, b, self._scaling[layer]).to(value.dtype)
+        sources = self._sources(key)
+        value = self._params[sources[0]].detach()
+        if len(sources) == 3:
+            a, b = (self._params[n].detach() for n in sources[1:])
+            value = merge(value, a, b, self._scaling[sources[0][: -len(".base_layer.weight")]]).to(value.dtype)
         return value
 
     def release(self, key: str) -> None:
         """Drop the values ``key`` is read from, here and in ``state`` (which the caller hands over):
         a copy built from a gathered full state then frees it as it goes."""
-        if key in self._blocks:
-            for block in self._blocks[key]:
-                self.release(block)
-            return
-        name = self._names[key]
-        names = [name]
-        if name.endswith(".base_layer.weight"):
-            layer = name[: -len(".base_layer.weight")]
-            names += [f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
-        for n in names:
-            del self._params[n]
-            if isinstance(self._state, MutableMapping):
-                self._state.pop(self._original[n], None)
+        for block in self._blocks.get(key, [key]):
+            for name in self._sources(block):
+                del self._params[name]
+                if isinstance(self._state, MutableMapping):
+                    self._state.pop(self._original[name], None)
 
     def __contains__(self, key: object) -> bool:  # without reading (joining, merging) the value
         if key in self._blocks:

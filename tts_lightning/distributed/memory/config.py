@@ -162,12 +162,13 @@ def _saves_hold_gradients(cfg: Any) -> bool:
     interval = _get(trainer, "val_check_interval")
     at_epoch_end = interval is None or (isinstance(interval, float) and interval == 1.0)  # int 1: every batch
     every_epoch = _get(trainer, "check_val_every_n_epoch", 1) == 1 and at_epoch_end
-    return any(
+    checkpoints = _checkpoint_callbacks(cfg)
+    return (no_validation and bool(checkpoints)) or any(
         _get(c, "every_n_train_steps")
         or _get(c, "train_time_interval")
         or (_get(c, "save_on_train_epoch_end") and not every_epoch)
-        for c in _checkpoint_callbacks(cfg)
-    ) or (no_validation and bool(_checkpoint_callbacks(cfg)))
+        for c in checkpoints
+    )
 
 
 def _validation_holds_gradients(trainer: Any) -> bool:

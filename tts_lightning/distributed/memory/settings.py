@@ -41,8 +41,9 @@ class PlanSettings:
         text_embedding_blocks: `Qwen3TTSModule`'s row blocks of the text embedding (FSDP units).
         save_at_train_steps: checkpoints are written while the last step's gradients are held: at
             training steps' ends (`ModelCheckpoint`'s ``every_n_train_steps`` or
-            ``train_time_interval``, `ray-fit`'s reports) or at an epoch's end with no validation
-            before it; otherwise after validation, which Lightning starts by releasing them.
+            ``train_time_interval``; `ray-fit`'s reports too, which `plan_from_config` does not
+            read) or at an epoch's end with no validation before it; otherwise after validation,
+            which Lightning starts by releasing them.
         validation_holds_gradients: validation can start in the middle of gradient accumulation
             (Lightning releases the gradients before validation only at a step boundary): then
             validation, the samples and the checkpoint after it hold them.
