@@ -5,8 +5,9 @@ The model config is the planner's preset of the released architecture (`tts_ligh
 memory.PRESETS`: 0.6B = 914.6M, 1.7B = 1,928.7M parameters, codec special ids in the released
 layout); the weights are random bf16 (0.02-std normals, norms 1), written as safetensors shards of
 at most 1 GiB so that building needs about one shard of memory. The text tokenizer, the generation
-config and the speech tokenizer come from the tiny directory: they shape no parameter of the model,
-and the tiny tokenizers' ids lie inside the released vocabularies.
+config and the speech tokenizer come from a tiny directory built with the released codebook (2048
+codes): they shape no parameter of the model, the tiny text tokenizer's ids lie inside the released
+vocabulary, and every code the talker generates decodes.
 
     PYTHONPATH=. python benchmarks/released_dir.py 0.6b runs/bench/released-0.6b [talker layers]
 """
@@ -42,7 +43,11 @@ def build_released_dir(
 
     out = Path(out)
     done = out / "released_dir.json"
-    key: dict = {"size": size, "seed": seed}
+    preset = json.loads(json.dumps(PRESETS[size]))
+    # The speech tokenizer's codebook as released (2048 codes): the talker's codes then decode (the
+    # samples callback's rounds); with the tiny default (256) every decode failed on an index.
+    codebook = preset["talker_config"]["code_predictor_config"]["vocab_size"]
+    key: dict = {"size": size, "seed": seed, "codebook_size": codebook}
     if talker_layers is not None:
         key["talker_layers"] = talker_layers
     if small:
@@ -51,11 +56,10 @@ def build_released_dir(
         return out
     if out.exists():
         shutil.rmtree(out)
-    tiny = build_tiny_pretrained()
+    tiny = build_tiny_pretrained(codebook_size=codebook)
     shutil.copytree(tiny, out)
     for name in ("model.safetensors", "config.json", "tiny_model.json"):  # the tiny model's own
         (out / name).unlink()
-    preset = json.loads(json.dumps(PRESETS[size]))
     if talker_layers is not None:
         preset["talker_config"]["num_hidden_layers"] = talker_layers
     if small:

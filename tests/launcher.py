@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import yaml
@@ -95,18 +96,35 @@ class Zygote:
             return self._fork(argv, env, cwd, stdout, stderr, disk)
 
     def _fork(self, argv: list[str], env: dict[str, str], cwd, stdout: str, stderr: str, disk) -> Forked:
+        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": stdout, "stderr": stderr}
+        if disk is not None:  # (folder, mount point): this process's own disk at that path (zygote.own_disk)
+            request["disk"] = [str(disk[0]), str(disk[1])]
+        for attempt in range(3):
+            answer = self._request(request)
+            if answer.isdigit():
+                return Forked(int(answer), stdout + ".exit")
+            # The fork failed (the zygote says why) or the zygote died (no answer): both seen when the
+            # machine ran short of memory. Say so, start a fresh zygote if needed, and try again.
+            log = Path(self._log.name).read_text()[-2000:]
+            warnings.warn(f"tests/zygote.py could not fork ({answer or 'it died'}); retrying\n{log}", stacklevel=3)
+            time.sleep(5 * (attempt + 1))
+        log = Path(self._log.name).read_text()[-5000:]
+        raise AssertionError(f"tests/zygote.py could not fork {argv[:3]}: {answer or 'it died'}\n{log}")
+
+    def _request(self, request: dict) -> str:
+        """Send one request; the answer line ("" when the zygote is dead or died meanwhile)."""
         self._start()
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         if not self._ready:
             if self._proc.stdout.readline().strip() != "ready":
-                raise AssertionError(f"tests/zygote.py did not start:\n{Path(self._log.name).read_text()[-5000:]}")
+                return ""
             self._ready = True
-        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": stdout, "stderr": stderr}
-        if disk is not None:  # (folder, mount point): this process's own disk at that path (zygote.own_disk)
-            request["disk"] = [str(disk[0]), str(disk[1])]
-        self._proc.stdin.write(json.dumps(request) + "\n")
-        self._proc.stdin.flush()
-        return Forked(int(self._proc.stdout.readline()), stdout + ".exit")
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            return ""
+        return self._proc.stdout.readline().strip()
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -143,8 +161,18 @@ class Forked:
 
     def __init__(self, pid: int, exit_file: str) -> None:
         self.pid, self._exit_file, self.returncode = pid, exit_file, None
+        self.lost = False  # ended with no exit status recorded: its zygote died
 
     def poll(self) -> int | None:
+        if self.returncode is None and not _exists(self.pid):
+            # Gone: its zygote reaped it and writes the file at once, unless the zygote died first
+            # (its children then go to init, and no status ever comes).
+            deadline = time.monotonic() + 2
+            while not os.path.exists(self._exit_file) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not os.path.exists(self._exit_file):
+                self.lost = True
+                self.returncode = -signal.SIGKILL
         if self.returncode is None and os.path.exists(self._exit_file):
             self.returncode = int(Path(self._exit_file).read_text())
         return self.returncode
@@ -228,10 +256,22 @@ def launch(
         stdout, stderr = ("".join(Path(o[i]).read_text() for o in outputs) for i in (0, 1))
     if timed_out:
         raise AssertionError(f"no exit after {timeout} s (deadlock?)\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    lost = [rank for rank, p in enumerate(procs) if getattr(p, "lost", False)]
+    if lost:
+        raise AssertionError(f"ranks {lost} ended with no exit status: their zygote died\n{stderr[-5000:]}")
     returncode = next((p.returncode for p in procs if p.returncode), 0)
     if check and returncode != 0:
         raise AssertionError(f"exit {returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie not yet reaped by its zygote counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ the interpreter's argv, env, cwd, stdout and stderr paths) forks a child that be
 its own session, environment, working folder and output files, then runs the module (``-m``), the
 code (``-c``) or the script as the interpreter would. The project's own modules are imported by the
 child, not here. When a child ends, its exit status is written to ``<stdout path>.exit``; its pid
-is answered on stdout.
+is answered on stdout (``error <reason>`` when the fork itself failed).
 
 The tests fork each rank from a zygote of its own (tests/launcher.py): Python's string hashing is
 seeded per interpreter, and ranks that iterate a set in different orders must stay visible.
@@ -130,7 +130,12 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # record the pid before reaping it
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # e.g. ENOMEM while the machine is short of memory: say so, keep serving
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            print(f"error {exc}", flush=True)
+            continue
         if pid == 0:
             become(request)
         children[pid] = request["stdout"] + ".exit"

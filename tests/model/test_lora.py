@@ -223,8 +223,11 @@ def test_copy_model_frees_the_gathered_state_as_it_copies(tiny_dir, adapter):
     """`copy_model(state=...)` (the samples callback's copy from a gathered full state) removes each
     value from the state once copied and keeps no reference to it: on a CPU run, where the gathered
     fp32 state and an fp32 copy both live in host memory, they hold about one model together, not
-    two. The copy equals the one made from the parameters (LoRA merged)."""
+    two: the copy never holds more than one parameter above where it started (torch's `MemTracker`
+    counts every tensor). The copy equals the one made from the parameters (LoRA merged)."""
     import weakref
+
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     from tts_lightning.model.loading import copy_model
 
@@ -245,10 +248,48 @@ def test_copy_model_frees_the_gathered_state_as_it_copies(tiny_dir, adapter):
 
     state = Gathered({name: p.detach().clone() for name, p in module.model.named_parameters()})
     refs.update({name: weakref.ref(value) for name, value in state.items()})
-    copy = copy_model(module.model, dtype=torch.float32, device="cpu", state=state)
+    largest = max(v.numel() * v.element_size() for v in state.values())
+    tracker = MemTracker()
+    tracker.track_external(*state.values())
+    with tracker:
+        start = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        copy = copy_model(module.model, dtype=torch.float32, device="cpu", state=state)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak - start <= largest + 1024, (peak - start, largest)  # a few scalars beside it
     assert len(state) == 0 and all(r() is None for r in refs.values())  # nothing kept, nothing aliased
     assert len(alive_when_popped) == len(refs)
     assert max(alive_when_popped) == 0, alive_when_popped  # each value freed as soon as it is popped
     copied, expected = dict(copy.named_parameters()), dict(reference.named_parameters())
     assert copied.keys() == expected.keys()
     assert all(torch.equal(copied[k], expected[k]) for k in expected)
+
+
+def test_a_blocked_embedding_is_copied_block_by_block_never_joined(tiny_dir):
+    """`MergedWeights.copy_into` writes the text embedding's row blocks straight into the copy's rows:
+    no joined weight is made beside the copy (at the released sizes that join was 1.2 GB of host
+    memory on rank 0 while the samples callback built its copy), and each block is released once
+    copied."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tts_lightning.model.row_blocks import TEXT_EMBEDDING
+
+    module = _module(tiny_dir)
+    state = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    key = f"{TEXT_EMBEDDING}.weight"
+    blocks = [n for n in state if n.startswith(f"{TEXT_EMBEDDING}.blocks.")]
+    assert len(blocks) > 1
+    joined = torch.cat([state[n] for n in blocks])  # the official weight, for comparison
+    source = MergedWeights(module.model, state)
+    out = torch.empty_like(joined)
+    tracker = MemTracker()
+    tracker.track_external(*state.values(), out)
+    with tracker:
+        start = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        source.copy_into(key, out, release=True)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak == start  # nothing allocated: no join
+    assert torch.equal(out, joined)
+    assert not any(n in state for n in blocks) and key not in source
+    bf16 = torch.empty(joined.shape, dtype=torch.bfloat16)
+    MergedWeights(module.model).copy_into(key, bf16)  # any dtype: cast while copied
+    assert torch.equal(bf16, joined.to(torch.bfloat16))

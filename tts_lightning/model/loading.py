@@ -235,7 +235,8 @@ def copy_model(
 ) -> nn.Module:
     """A plain, frozen copy of ``model`` in ``dtype`` on ``device``, built from its parameters as they
     are now (peft LoRA adapters merged into their base weights). One parameter is copied at a time,
-    so the copy is the only extra memory (plus one merged weight at a time with LoRA).
+    straight into its place (the text embedding's row blocks too, never joined first), so the copy
+    is the only extra memory (plus one merged weight at a time with LoRA).
 
     ``state``: the full values to copy instead of the parameters' own, by ``model``'s parameter
     names (under FSDP, whose parameters are shards: the full state gathered to this rank's host
@@ -251,12 +252,11 @@ def copy_model(
         copy = type(model)(model.config)
     with torch.no_grad():
         for prefix, module in copy.named_modules():  # each module once, so each key is read once
-            for name, _ in list(module.named_parameters(recurse=False)):
+            for name, empty in list(module.named_parameters(recurse=False)):
                 key = f"{prefix}.{name}" if prefix else name
                 if key not in source:
                     raise KeyError(f"the weights to copy lack {key!r}")
-                value = source[key].detach().to(device=device, dtype=dtype, copy=True)
+                value = torch.empty(empty.shape, dtype=dtype, device=device)
+                source.copy_into(key, value, release=state is not None)
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
-                if state is not None:
-                    source.release(key)
     return copy.to(device).eval()

@@ -232,6 +232,26 @@ class MergedWeights(Mapping):
             value = merge(value, a, b, self._scaling[sources[0][: -len(".base_layer.weight")]]).to(value.dtype)
         return value
 
+    def copy_into(self, key: str, out: torch.Tensor, *, release: bool = False) -> None:
+        """Write ``key``'s value into ``out`` (any dtype, any device). A blocked embedding is copied
+        block by block into its rows, never joined: its whole value exists once, in ``out``.
+        ``release``: drop each source (`release`) as soon as it is copied."""
+        if key not in self._blocks:
+            out.copy_(self[key])
+            if release:
+                self.release(key)
+            return
+        row = 0
+        for block in self._blocks[key]:
+            value = self[block]
+            out[row : row + value.shape[0]].copy_(value)
+            row += value.shape[0]
+            del value  # nothing here keeps a released block
+            if release:
+                self.release(block)
+        if row != out.shape[0]:
+            raise ValueError(f"the blocks of {key!r} hold {row} rows, the copy {out.shape[0]}")
+
     def release(self, key: str) -> None:
         """Drop the values ``key`` is read from, here and in ``state`` (which the caller hands over):
         a copy built from a gathered full state then frees it as it goes."""
