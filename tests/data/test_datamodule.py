@@ -440,6 +440,10 @@ def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_
     again = make(tiny_dir, prepared, layout="icl")
     again.setup("fit")
     assert [it.reference.key for it in again.train_dataset.items + again.val_dataset.items] == chosen
+    # The data folder moved (another machine, another temporary folder): the same references.
+    here = data.prepared_index.clips
+    moved = [replace(c, audio=f"/elsewhere/{c.speaker}/{Path(c.audio).name}") for c in here]
+    assert choose_references(moved, seed=3) == choose_references(here, seed=3)
 
     with pytest.raises(ConfigError, match=r"^data.layout 'instruct' \(streaming=False\) is not offered"):
         make(tiny_dir, prepared, layout="instruct")

@@ -1,8 +1,9 @@
 """The reference clip of every clip for the ICL layout: another training clip of the same speaker.
 
-Chosen once per clip from a seeded generator keyed by the seed and the clip's audio path, so the
-choice is the same on every rank, every epoch and every resume, and does not move when other
-clips are added. Sampling and ``predict`` in the ICL layout speak each speaker with the reference of
+Chosen once per clip from a seeded generator keyed by the seed and the clip's audio content (its
+hash, as the validation split is), so the choice is the same on every rank, every epoch and every
+resume, wherever the data lives (a path would change it when the folder moves), and does not move
+when other clips are added. Sampling and ``predict`` in the ICL layout speak each speaker with the reference of
 its first training clip (`speaker_references`): one the run trained with. Only training clips serve
 as references (a validation clip never enters a training prompt); their codes are those prepare already cached.
 """
@@ -38,7 +39,7 @@ def choose_references(clips: list[PreparedClip], seed: int) -> list[int]:
                 f"data.layout 'icl': speaker {c.speaker!r} has no other training clip to serve as the "
                 f"reference of {c.audio}; give it at least two training clips, or use data.layout xvector"
             )
-        chosen.append(random.Random(f"{seed}:{c.audio}").choice(pool))
+        chosen.append(random.Random(f"{seed}:{c.content_hash}").choice(pool))
     return chosen
 
 
