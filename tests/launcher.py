@@ -13,6 +13,7 @@ interpreters, with Lightning's own launcher.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,6 +79,10 @@ class Zygote:
 
     def _start(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
+            if self._proc is not None:  # a dead one: close its pipes and log before replacing it
+                for stream in (self._proc.stdin, self._proc.stdout, self._log):
+                    with contextlib.suppress(OSError):
+                        stream.close()
             # Its own output (import-time noise, a crash) goes to a file, shown if it fails to start.
             self._log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
             self._proc = subprocess.Popen(
@@ -101,29 +106,37 @@ class Zygote:
             request["disk"] = [str(disk[0]), str(disk[1])]
         for attempt in range(3):
             answer = self._request(request)
-            if answer.isdigit():
-                return Forked(int(answer), stdout + ".exit")
-            # The fork failed (the zygote says why) or the zygote died (no answer): both seen when the
-            # machine ran short of memory. Say so, start a fresh zygote if needed, and try again.
+            if answer and answer.isdigit():
+                assert self._proc is not None
+                return Forked(int(answer), stdout + ".exit", self._proc)
+            if answer == "":  # it read the request and died: the command may run, so never send it twice
+                log = Path(self._log.name).read_text()[-5000:]
+                raise AssertionError(f"tests/zygote.py died while forking {argv[:3]} (not retried)\n{log}")
+            # The fork failed (the zygote says why) or the zygote was dead before the request: both
+            # seen when the machine ran short of memory. Say so, start a fresh zygote if needed, retry.
             log = Path(self._log.name).read_text()[-2000:]
-            warnings.warn(f"tests/zygote.py could not fork ({answer or 'it died'}); retrying\n{log}", stacklevel=3)
-            time.sleep(5 * (attempt + 1))
+            warnings.warn(f"tests/zygote.py could not fork ({answer or 'it was dead'}); retrying\n{log}", stacklevel=3)
+            if attempt < 2:
+                time.sleep(5 * (attempt + 1))
         log = Path(self._log.name).read_text()[-5000:]
-        raise AssertionError(f"tests/zygote.py could not fork {argv[:3]}: {answer or 'it died'}\n{log}")
+        raise AssertionError(f"tests/zygote.py could not fork {argv[:3]}: {answer or 'it was dead'}\n{log}")
 
-    def _request(self, request: dict) -> str:
-        """Send one request; the answer line ("" when the zygote is dead or died meanwhile)."""
+    def _request(self, request: dict) -> str | None:
+        """Send one request; its answer line: a pid, ``error ...``, "" when the zygote died after
+        reading it, None when it never got it (dead before)."""
         self._start()
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         if not self._ready:
             if self._proc.stdout.readline().strip() != "ready":
-                return ""
+                self._proc.wait()  # it died starting: the next `_start` replaces it
+                return None
             self._ready = True
         try:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
         except BrokenPipeError:
-            return ""
+            self._proc.wait()
+            return None
         return self._proc.stdout.readline().strip()
 
     def close(self) -> None:
@@ -159,20 +172,18 @@ class Zygotes:
 class Forked:
     """A command the zygote forked: not our child, so its exit status comes through a file."""
 
-    def __init__(self, pid: int, exit_file: str) -> None:
-        self.pid, self._exit_file, self.returncode = pid, exit_file, None
-        self.lost = False  # ended with no exit status recorded: its zygote died
+    def __init__(self, pid: int, exit_file: str, zygote: subprocess.Popen) -> None:
+        self.pid, self._exit_file, self._zygote, self.returncode = pid, exit_file, zygote, None
+        self.lost = False  # no exit status will come: its zygote died
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _exists(self.pid):
-            # Gone: its zygote reaped it and writes the file at once, unless the zygote died first
-            # (its children then go to init, and no status ever comes).
-            deadline = time.monotonic() + 2
-            while not os.path.exists(self._exit_file) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not os.path.exists(self._exit_file):
-                self.lost = True
-                self.returncode = -signal.SIGKILL
+        if self.returncode is None and not os.path.exists(self._exit_file) and self._zygote.poll() is not None:
+            if not os.path.exists(self._exit_file):  # it may have written it just before it died
+                # Its zygote died: nobody records this command's status. Stop the orphan (its own
+                # session, so its group) rather than let it run on unseen.
+                self.lost, self.returncode = True, -signal.SIGKILL
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
         if self.returncode is None and os.path.exists(self._exit_file):
             self.returncode = int(Path(self._exit_file).read_text())
         return self.returncode
@@ -263,15 +274,6 @@ def launch(
     if check and returncode != 0:
         raise AssertionError(f"exit {returncode}\n{stdout[-4000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
-
-
-def _exists(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie not yet reaped by its zygote counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _free_port() -> int:

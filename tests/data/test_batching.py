@@ -111,6 +111,40 @@ def test_state_dict_resumes_mid_epoch() -> None:
     assert restored.state_dict()["consumed"] == 0 and len(list(restored)) == len(restored)
 
 
+@pytest.mark.parametrize("change", ["nothing", "lengths", "max_frames", "seed", "no plan saved"])
+def test_a_saved_count_resumes_only_the_same_batches(change, caplog) -> None:
+    """A checkpoint's batch count is applied only to the batches it counted: when the clips' lengths
+    (ICL: their references), the frame limit or the seed changed, the epoch restarts with a warning
+    instead of repeating some clips and skipping others. States saved before the plan was recorded
+    resume at their count, as they did."""
+    lengths = _lengths(90)
+    kw = {"max_frames": 3000, "seed": 11, "num_replicas": 2, "rank": 0}
+    sampler = LengthBucketBatchSampler(lengths, **kw)
+    sampler.set_epoch(1)
+    it = iter(sampler)
+    for _ in range(3):
+        next(it)
+    state = sampler.state_dict()
+    if change == "lengths":
+        lengths = [n + 40 * (i % 3) for i, n in enumerate(lengths)]
+    elif change == "max_frames":
+        kw["max_frames"] = 2000
+    elif change == "seed":
+        kw["seed"] = 12
+    elif change == "no plan saved":
+        del state["plan"]
+    restored = LengthBucketBatchSampler(lengths, **kw)
+    with caplog.at_level(logging.WARNING, logger="tts_lightning.data.batching"):
+        restored.load_state_dict(state)
+    restored.set_epoch(1)
+    warned = any("restarting" in r.getMessage() for r in caplog.records)
+    full = restored._rank_batches(1)
+    if change in ("nothing", "no plan saved"):
+        assert not warned and list(restored) == full[3:]
+    else:
+        assert warned and list(restored) == full
+
+
 def test_oversized_clip_gets_its_own_batch_and_one_warning(caplog) -> None:
     lengths = [100] * 10 + [5000]
     with caplog.at_level(logging.WARNING, logger="tts_lightning.data.batching"):

@@ -3,6 +3,8 @@ and the two shims that hand them to a DataLoader under Lightning (`BatchSamplerV
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -183,12 +185,18 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
 
     # -- resume ----------------------------------------------------------------------------
 
+    def plan_digest(self, epoch: int) -> str:
+        """A digest of the epoch's batches over all ranks (the same on every rank): a saved batch count
+        resumes the same batches only under the same plan."""
+        return hashlib.sha256(json.dumps(self._global_batches(epoch)).encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "consumed": self._consumed,
             "seed": self.seed,
             "num_replicas": self.num_replicas,
+            "plan": self.plan_digest(self.epoch),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,6 +216,14 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
                 state.get("num_replicas"),
                 self.seed,
                 self.num_replicas,
+                epoch,
+            )
+            consumed = 0
+        elif state.get("plan", self.plan_digest(epoch)) != self.plan_digest(epoch):  # older states: no plan
+            # The clips, their lengths (ICL: with their references) or the batch limits changed.
+            logger.warning(
+                "epoch %d's batches differ from those the checkpoint counted (the training clips, their "
+                "lengths or data.max_frames_per_batch / batch_size changed); restarting it from its first batch",
                 epoch,
             )
             consumed = 0

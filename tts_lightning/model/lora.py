@@ -237,13 +237,19 @@ class MergedWeights(Mapping):
         block by block into its rows, never joined: its whole value exists once, in ``out``.
         ``release``: drop each source (`release`) as soon as it is copied."""
         if key not in self._blocks:
-            out.copy_(self[key])
+            value = self[key]
+            if value.shape != out.shape:  # copy_ would broadcast a smaller value silently
+                raise ValueError(f"{key!r} is {tuple(value.shape)}, the copy's {tuple(out.shape)}")
+            out.copy_(value)
+            del value
             if release:
                 self.release(key)
             return
         row = 0
         for block in self._blocks[key]:
             value = self[block]
+            if value.shape[1:] != out.shape[1:]:
+                raise ValueError(f"{block!r} is {tuple(value.shape)}, the rows of {key!r} {tuple(out.shape[1:])}")
             out[row : row + value.shape[0]].copy_(value)
             row += value.shape[0]
             del value  # nothing here keeps a released block
