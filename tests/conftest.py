@@ -25,6 +25,10 @@ def _no_leaked_process_group():
     `tts-lightning fit` subprocess inherits the environment and would join that one-process world."""
     import os
 
+    # A module or session fixture's changes come before this snapshot: drop what seed_everything
+    # leaves (later fits would re-seed from it: Lightning's reset_seed), so no test inherits it.
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
     environ = dict(os.environ)
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -116,6 +116,10 @@ def test_icl_run_samples_and_predicts_as_generate_voice_clone(streaming, tiny_di
     # predict: the same layout and references, with the pretrained directory's sampling settings.
     (batch,) = data.predict_dataloader()  # the run's layout and each speaker's reference, per row
     assert (batch.layout, batch.streaming) == ("icl", streaming)
+    with torch.no_grad():  # a speaker no batch of the one step showed speaks with the data's embedding,
+        for i in range(2):  # as the official clone above does (which speakers the step shows is a draw)
+            if not module.speaker_embeddings[i].any():
+                module.speaker_embeddings[i] = table[i]
     module.predict_tools()  # loads the tokenizers (their random init draws from the RNG)
     torch.manual_seed(5)
     predictions = module.eval().predict_step(batch, 0)
