@@ -219,7 +219,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
                 epoch,
             )
             consumed = 0
-        elif state.get("plan", self.plan_digest(epoch)) != self.plan_digest(epoch):  # older states: no plan
+        elif "plan" in state and state["plan"] != self.plan_digest(epoch):  # older states have no plan
             # The clips, their lengths (ICL: with their references) or the batch limits changed.
             logger.warning(
                 "epoch %d's batches differ from those the checkpoint counted (the training clips, their "
