@@ -587,3 +587,61 @@ def test_the_generation_copy_is_freed_before_decoding(tiny_dir, make_datamodule,
     assert watch.alive_at_decode == ([] if fail else [False, False])
     assert watch.alive_after_round == [False, False]
     assert trainer.global_step == 1
+
+
+@pytest.mark.parametrize("adapter", [None, {"rank": 4, "alpha": 8.0}], ids=["full", "lora"])
+def test_at_no_shard_the_copy_is_made_from_the_device_parameters(
+    tiny_dir, make_datamodule, tmp_path, adapter, monkeypatch
+):
+    """FSDP1 at world size 1 runs NO_SHARD (the 1-GPU configs): rank 0 holds the full parameters,
+    and the generation copy is made from them on the device, not through a full state gathered to
+    host memory. It must equal the copy made from that gathered state (LoRA merged), bit for bit,
+    and the run must not gather one."""
+    import torch.distributed.checkpoint.state_dict as dcp_state
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
+    from tts_lightning.model.loading import copy_model
+
+    compared = []
+
+    class Compare(SpeakerSamplesCallback):
+        def _generate(self, trainer, pl_module, model, baseline):
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = get_model_state_dict(trainer.strategy.model, options=options)
+            state = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
+            dtype = next(model.parameters()).dtype
+            expected = dict(copy_model(pl_module.model, dtype=dtype, device="cpu", state=state).named_parameters())
+            copied = dict(model.named_parameters())
+            assert copied.keys() == expected.keys()
+            compared.append(all(torch.equal(copied[k], expected[k]) for k in expected))
+            raise RuntimeError("compared")  # no need to generate: the round is skipped
+
+    gathered = []
+
+    def watched(*args, **kwargs):  # the real gather, counted (generation_model imports it when called)
+        gathered.append(True)
+        return get_model_state_dict(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_state, "get_model_state_dict", watched)
+
+    data = make_datamodule()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=Qwen3TTSFSDPStrategy(),
+        use_distributed_sampler=False,
+        max_steps=1,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(str(tmp_path)),
+        callbacks=[Compare(texts=TEXTS[:1], max_new_tokens=4, similarity=False)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, adapter=adapter)
+    trainer.fit(module, datamodule=data)
+    assert compared == [True, True]  # the baseline and the round after the step (weights changed)
+    assert gathered == []  # the run itself gathered no full state
