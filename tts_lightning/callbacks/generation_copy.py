@@ -64,7 +64,7 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
     else:
         yield plain if trainer.is_global_zero else None
         return
-    in_place = state is None and isinstance(root, FullyShardedDataParallel)
+    in_place = state is None  # NO_SHARD: the parameters themselves, full inside summon_full_params
     with FullyShardedDataParallel.summon_full_params(root, writeback=False) if in_place else contextlib.nullcontext():
         model = copy_model(plain, dtype=dtype, device=pl_module.device, state=state) if trainer.is_global_zero else None
     del state
