@@ -327,6 +327,42 @@ def test_samples_phase_is_planned(tiny_dir):
     assert config.samples and config.samples_cache > 0
 
 
+def test_the_samples_first_round_is_the_start_phase():
+    """A run from step 0 samples once before its first step (the baseline or held-out round): the start
+    phase holds the sharded parameters and the generation copy with its KV cache, no optimizer state;
+    without that round (``baseline: false``) the start is the model's build alone, and a resume (which
+    skips the round) is unchanged either way."""
+    plain = plan_memory("1.7b", **BASE)
+    sampled = plan_memory("1.7b", **BASE, samples=True, sample_rows=4, sample_frames=600)
+    first_round = plain.parameters + plain.overhead + sampled.samples_model + sampled.samples_cache
+    assert first_round > plain.startup  # a bf16 model is more than the largest unit being built
+    assert sampled.startup == first_round < sampled.samples_total
+    assert sampled.resume == plain.resume
+    assert "start" in sampled.table() and "with the samples' first round" in sampled.table()
+    quiet = plan_memory("1.7b", **BASE, samples=True, sample_rows=4, sample_frames=600, samples_at_start=False)
+    assert quiet.startup == plain.startup and "first round" not in quiet.table()
+    # Read from a config: the shipped callback samples a baseline; `baseline: false` does not, unless
+    # held-out voices are cloned at the start too.
+    config = "configs/qwen3-tts-1.7b-4x16gb.yaml"
+    path = "--trainer.callbacks.init_args"
+    assert plan_from_config(config, 16).samples_at_start
+    assert not plan_from_config(config, 16, overrides=[f"{path}.baseline", "false"]).samples_at_start
+    held_out = [f"{path}.baseline", "false", f"{path}.held_out", "voices.jsonl"]
+    assert plan_from_config(config, 16, overrides=held_out).samples_at_start
+
+
+def test_the_samples_note_says_where_the_copy_is_made():
+    """One GPU under FSDP1 (NO_SHARD) copies the parameters on the device; sharded or offloaded
+    parameters are gathered to host memory first."""
+    one = plan_memory("0.6b", gpus=1, gpu_memory_gb=24, samples=True)
+    assert any("copies the parameters it holds on the GPU" in n for n in one.notes)
+    for settings in ({"gpus": 2}, {"gpus": 1, "cpu_offload": True}, {"gpus": 1, "layout": "fsdp2"}):
+        other = plan_memory("0.6b", **{"gpu_memory_gb": 24, "samples": True, **settings})
+        assert any("gathers the weights to host memory first (3.4 GiB" in n for n in other.notes), settings
+    bf16 = plan_memory("0.6b", gpus=2, gpu_memory_gb=24, samples=True, optimizer="bf16_sr")
+    assert any("host memory first (1.7 GiB" in n for n in bf16.notes)  # bf16 weights gathered as they are
+
+
 # Each case: the Trainer and checkpoint settings; whether validation and each save find gradients;
 # the same settings as `fit` overrides for the planner, which must count the gradients exactly then.
 GRADIENT_CASES = {
@@ -450,3 +486,35 @@ def test_planner_reads_every_setting_that_saves_with_gradients(tiny_dir, overrid
     plan = plan_from_config(config, 16, overrides=["--data.pretrained", str(tiny_dir), *overrides])
     gradients = plan.gradients if held else 0
     assert plan.checkpoint_save == plan.parameters + plan.optimizer_states + gradients + CUDA_OVERHEAD_BYTES
+
+
+@pytest.mark.parametrize(
+    "lightning, ray, held",
+    [
+        # Reports every N steps are written at the step's end, its gradients held.
+        ([], ["--ray.checkpoint_every_n_steps", "10"], True),
+        # At epoch ends (the default) after the epoch's validation: released; but with max_steps the
+        # last report is written at that step's end, before its validation.
+        ([], [], False),
+        (["--trainer.max_steps", "100"], [], True),
+        # Validation every N batches counted across epochs (tiny-cpu.yaml's): not at every epoch's end.
+        (["--trainer.check_val_every_n_epoch", "null", "--trainer.val_check_interval", "20"], [], True),
+    ],
+)
+def test_plan_reads_ray_fit_options(tiny_dir, lightning, ray, held, capsys):
+    """`plan --config ... --ray.num_workers N` plans the `ray-fit` run: N processes, and its reports
+    (`RayCheckpointReport`) as saves that hold the gradients when written at a step's end."""
+    config = str(REPO / "configs" / "tiny-cpu.yaml")
+    base = ["--data.pretrained", str(tiny_dir), *EVERY_EPOCH, "--trainer.val_check_interval", "1.0"]
+    base += ["--trainer.max_steps", "-1", *lightning]
+    plain = plan_from_config(config, 16, gpus=4, overrides=base)
+    assert plain.checkpoint_save == plain.parameters + plain.optimizer_states + CUDA_OVERHEAD_BYTES
+    every_n = int(ray[1]) if ray else 0
+    plan = plan_from_config(config, 16, gpus=4, overrides=base, ray_checkpoint_every_n_steps=every_n)
+    assert plan.checkpoint_save == plain.checkpoint_save + (plan.gradients if held else 0)
+    # The command takes ray-fit's own options after the config, as ray-fit does.
+    argv = ["--config", config, "--gpu-memory", "16", *base, *ray, "--ray.num_workers", "4", "--ray.use_gpu"]
+    assert plan_command(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 GPU(s)" in out
+    assert f"checkpoint save {plan.checkpoint_save / 2**30:.2f}" in out

@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--config",
         help="a LightningCLI YAML (tts-lightning fit --config ...), read as `fit` reads it; `fit`'s "
-        "overrides may follow (--trainer.devices 8, --data.max_frames_per_batch 1000, ...)",
+        "overrides may follow (--trainer.devices 8, --data.max_frames_per_batch 1000, ...), or "
+        "`ray-fit`'s --ray.* options to plan that run (--ray.num_workers 8 --ray.use_gpu)",
     )
     parser.add_argument("--gpu-memory", type=float, required=True, help="memory of one GPU, GiB")
     parser.add_argument("--gpus", type=int, help="number of GPUs (default 1; with --config: trainer.devices)")
@@ -72,6 +73,8 @@ def plan_command(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     from tts_lightning.distributed.memory import plan_from_config, plan_memory
 
+    ray, overrides = _ray_options(overrides)
+
     if args.config:
         given = [
             flag
@@ -92,7 +95,11 @@ def plan_command(argv: list[str]) -> int:
             parser.error(f"with --config the settings come from the YAML; drop {', '.join(given)}")
     try:
         if args.config:
-            plan = plan_from_config(args.config, args.gpu_memory, gpus=args.gpus, overrides=overrides)
+            gpus = args.gpus if args.gpus is not None or ray is None else ray.num_workers
+            every_n = None if ray is None else ray.checkpoint_every_n_steps
+            plan = plan_from_config(
+                args.config, args.gpu_memory, gpus=gpus, overrides=overrides, ray_checkpoint_every_n_steps=every_n
+            )
         else:
             plan = plan_memory(
                 args.model,
@@ -125,6 +132,18 @@ def plan_command(argv: list[str]) -> int:
         for line in plan.advice:
             print(f"  - {line}")
     return 1
+
+
+def _ray_options(overrides: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
+    """`ray-fit`'s ``--ray.*`` options among the overrides (parsed as ray-fit parses them; None when
+    there are none), and the overrides left for LightningCLI."""
+    if not any(o.startswith("--ray.") for o in overrides):
+        return None, overrides
+    from tts_lightning.distributed.ray_cli import build_parser
+
+    parser = build_parser()
+    parser.prog = "tts-lightning plan"
+    return parser.parse_known_args(overrides)
 
 
 def options_summary(plan) -> str:

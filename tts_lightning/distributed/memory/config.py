@@ -89,6 +89,7 @@ def plan_from_config(
     *,
     gpus: int | None = None,
     overrides: Sequence[str] = (),
+    ray_checkpoint_every_n_steps: int | None = None,
 ) -> MemoryPlan:
     """Plan a `tts-lightning fit` config (with optional command-line ``overrides`` such as
     ``["--trainer.devices", "8"]``): the pretrained model (``data.pretrained``), ``model.freeze``
@@ -98,7 +99,10 @@ def plan_from_config(
     groups and ``reshard_after_forward``), ``data.max_frames_per_batch``, a `SpeakerSamplesCallback`
     and when checkpoints and validation find the gradients held (`ModelCheckpoint` settings,
     validation, gradient accumulation). Plain ``ddp`` (or several
-    devices with no strategy) is planned as NO_SHARD without checkpointing."""
+    devices with no strategy) is planned as NO_SHARD without checkpointing.
+
+    For a `ray-fit` run, ``gpus`` is ``--ray.num_workers`` and ``ray_checkpoint_every_n_steps`` its
+    ``--ray.checkpoint_every_n_steps``: when its reports are written (with the gradients held or not)."""
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
     data, model_cfg, trainer = cfg.data, cfg.model, cfg.trainer
@@ -121,6 +125,8 @@ def plan_from_config(
     sample_args = _get(samples, "init_args")
     texts = _get(sample_args, "texts") or (0, 0)
     speakers = _get(sample_args, "speakers") or (0, 0)  # default all of the run's speakers: planned as two
+    every_n = ray_checkpoint_every_n_steps
+    ray_reports_hold = every_n is not None and _ray_reports_hold_gradients(cfg, every_n)
     return plan_memory(
         pretrained,
         gpus=n,
@@ -135,12 +141,13 @@ def plan_from_config(
         samples=samples is not None,
         sample_frames=int(_get(sample_args, "max_new_tokens", 240) or 240),
         sample_rows=len(texts) * max(1, len(speakers)),
+        samples_at_start=bool(_get(sample_args, "baseline", True)) or _get(sample_args, "held_out") is not None,
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
         layout=strategy.layout,
         groups=strategy.groups,
         optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
         text_embedding_blocks=int(_get(model_cfg, "text_embedding_blocks", DEFAULT_TEXT_EMBEDDING_BLOCKS)),
-        save_at_train_steps=_saves_hold_gradients(cfg),
+        save_at_train_steps=_saves_hold_gradients(cfg) or ray_reports_hold,
         validation_holds_gradients=_validation_holds_gradients(trainer),
     )
 
@@ -152,23 +159,37 @@ def _checkpoint_callbacks(cfg: Any) -> list[Any]:
     return [c for c in [_get(cfg, "checkpoint"), *extra] if c is not None]
 
 
-def _saves_hold_gradients(cfg: Any) -> bool:
-    """Whether checkpoints can be written with the last step's gradients held: at training steps'
-    ends, or at an epoch's end with no validation (none at all, or not every epoch) before it."""
+def _validation(cfg: Any) -> tuple[bool, bool]:
+    """Whether the run validates at all, and whether it validates at every epoch's end."""
     trainer, data = _get(cfg, "trainer"), _get(cfg, "data")
-    no_validation = _get(trainer, "limit_val_batches") == 0 or (
+    none = _get(trainer, "limit_val_batches") == 0 or (
         not _get(data, "val_manifest") and not _get(data, "val_fraction", 0.1)
     )
     interval = _get(trainer, "val_check_interval")
     at_epoch_end = interval is None or (isinstance(interval, float) and interval == 1.0)  # int 1: every batch
-    every_epoch = _get(trainer, "check_val_every_n_epoch", 1) == 1 and at_epoch_end
+    every_epoch = not none and _get(trainer, "check_val_every_n_epoch", 1) == 1 and at_epoch_end
+    return not none, every_epoch
+
+
+def _saves_hold_gradients(cfg: Any) -> bool:
+    """Whether checkpoints can be written with the last step's gradients held: at training steps'
+    ends, or at an epoch's end with no validation (none at all, or not every epoch) before it."""
+    validates, every_epoch = _validation(cfg)
     checkpoints = _checkpoint_callbacks(cfg)
-    return (no_validation and bool(checkpoints)) or any(
+    return (not validates and bool(checkpoints)) or any(
         _get(c, "every_n_train_steps")
         or _get(c, "train_time_interval")
         or (_get(c, "save_on_train_epoch_end") and not every_epoch)
         for c in checkpoints
     )
+
+
+def _ray_reports_hold_gradients(cfg: Any, every_n_steps: int) -> bool:
+    """`ray-fit`'s reports (`RayCheckpointReport`) are written at a training step's end, the step's
+    gradients held, every N steps and at ``max_steps``; otherwise at each epoch's end, after the
+    epoch's validation (which releases them) when there is one."""
+    max_steps = _get(_get(cfg, "trainer"), "max_steps", -1)
+    return bool(every_n_steps) or (max_steps is not None and max_steps > 0) or not _validation(cfg)[1]
 
 
 def _validation_holds_gradients(trainer: Any) -> bool:

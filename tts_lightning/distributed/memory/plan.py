@@ -15,7 +15,7 @@ import torch
 
 from tts_lightning.distributed.memory.activations import _activation_bytes, _checkpointed
 from tts_lightning.distributed.memory.advice import advise
-from tts_lightning.distributed.memory.optimizer_bytes import STEP_BYTES, option_states
+from tts_lightning.distributed.memory.optimizer_bytes import STEP_BYTES, option_states, value_bytes
 from tts_lightning.distributed.memory.presets import resolve_config
 from tts_lightning.distributed.memory.settings import PRECISIONS, SHARDINGS, PlanSettings
 from tts_lightning.distributed.memory.shapes import ModelShape, Unit, model_shape
@@ -72,10 +72,11 @@ class MemoryPlan:
     samples_cache: int = 0  # rank 0: the talker's KV cache for all sampled rows
     speech_tokenizer: int = 0  # rank 0: the speech tokenizer on the GPU while it decodes (fp32)
     samples_total: int = 0  # rank 0 at the sampling peak (training activations are gone then)
+    samples_at_start: bool = False  # the samples' baseline / held-out round at fit start counts in `startup`
     adapter: dict | None = None  # LoRA settings (`tts_lightning.model.lora.LoRASettings`), if any
     layout: str = "fsdp1"  # "fsdp1" (`Qwen3TTSFSDPStrategy`) or "fsdp2" (`Qwen3TTSFSDP2Strategy`)
     # The other phases, per GPU, with the CUDA constant like `total`:
-    startup: int = 0  # the model built and sharded (the largest unit whole while it is)
+    startup: int = 0  # the model built and sharded (the largest unit whole while it is), or the samples' first round
     checkpoint_save: int = 0  # a sharded checkpoint being written (views of the shards: nothing gathered)
     checkpoint_host: int = 0  # host memory per GPU process then: the writer's copies of the shards
     resume: int = 0  # a checkpoint read back, before the first step (FSDP2: with zero gradients)
@@ -136,7 +137,9 @@ class MemoryPlan:
                 f"    total at the sampling peak                     {g(self.samples_total)}",
             ]
         lines.append(
-            f"  other phases: start {g(self.startup).strip()}, checkpoint save {g(self.checkpoint_save).strip()} "
+            f"  other phases: start {g(self.startup).strip()}"
+            + (" (with the samples' first round)" if self.samples and self.samples_at_start else "")
+            + f", checkpoint save {g(self.checkpoint_save).strip()} "
             f"(+ {self.checkpoint_host / GiB:.2f} GiB host per process), resume {g(self.resume).strip()}"
         )
         if self.optimizer != "adamw":
@@ -218,12 +221,20 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         # The samples run in validation, which Lightning starts by releasing the gradients.
         at_validation = persistent - (0 if settings.validation_holds_gradients else states.gradients)
         samples_total = at_validation + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
-        notes.append(
-            f"samples: rank 0 gathers the fp32 weights to host memory first "
-            f"({4 * shape.numel / GiB:.1f} GiB of RAM, released before generation)"
-        )
+        if effective == "NO_SHARD" and not settings.fsdp2 and not settings.cpu_offload:
+            notes.append("samples: rank 0 copies the parameters it holds on the GPU (NO_SHARD): no host copy")
+        else:
+            notes.append(
+                f"samples: rank 0 gathers the weights to host memory first "
+                f"({value_bytes(settings.optimizer) * shape.numel / GiB:.1f} GiB of RAM, released as the copy is made)"
+            )
         total = max(total, samples_total)
     startup, save, host_save, resume = _checkpoint_phases(shape, settings, states)
+    if settings.samples and settings.samples_at_start:
+        # The baseline round runs once the model is sharded (its build transient freed) and before
+        # the first step (no gradients or optimizer state yet); a resumed run skips it.
+        baseline_round = states.parameters + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
+        startup = max(startup, baseline_round)
     gpu_memory = int(settings.gpu_memory_gb * GiB)
     largest = step["largest"]
     plan = MemoryPlan(
@@ -259,6 +270,7 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         samples_cache=samples_cache,
         speech_tokenizer=tokenizer,
         samples_total=samples_total,
+        samples_at_start=settings.samples and settings.samples_at_start,
         adapter=None if adapter is None else adapter.to_dict(),
         layout=settings.layout,
         startup=startup,

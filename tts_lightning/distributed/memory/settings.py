@@ -29,6 +29,8 @@ class PlanSettings:
             in the compute dtype plus the KV cache of ``sample_rows`` rows (speakers x texts) of up
             to ``sample_frames`` frames (``max_new_tokens``), then the speech tokenizer (counted when
             the model is a local directory) while it decodes.
+        samples_at_start: with ``samples``, the callback also samples once at the start of a run
+            from step 0 (its ``baseline`` or ``held_out`` round), before any optimizer state exists.
         adapter: LoRA settings (`tts_lightning.model.lora.LoRASettings` or its dict) as
             `Qwen3TTSModule`'s ``adapter``: only the adapters and ``adapter.trainable`` train.
         layout: ``"fsdp1"`` (`Qwen3TTSFSDPStrategy`, flat parameters per unit) or ``"fsdp2"``
@@ -41,9 +43,10 @@ class PlanSettings:
         text_embedding_blocks: `Qwen3TTSModule`'s row blocks of the text embedding (FSDP units).
         save_at_train_steps: checkpoints are written while the last step's gradients are held: at
             training steps' ends (`ModelCheckpoint`'s ``every_n_train_steps`` or
-            ``train_time_interval``; `ray-fit`'s reports too, which `plan_from_config` does not
-            read) or at an epoch's end with no validation before it; otherwise after validation,
-            which Lightning starts by releasing them.
+            ``train_time_interval``; `ray-fit`'s reports every N steps and at ``max_steps``, which
+            `plan_from_config` reads given ``ray_checkpoint_every_n_steps``) or at an epoch's end
+            with no validation before it; otherwise after validation, which Lightning starts by
+            releasing them.
         validation_holds_gradients: validation can start in the middle of gradient accumulation
             (Lightning releases the gradients before validation only at a step boundary): then
             validation, the samples and the checkpoint after it hold them.
@@ -61,6 +64,7 @@ class PlanSettings:
     samples: bool = False
     sample_rows: int = 4
     sample_frames: int = 600
+    samples_at_start: bool = True
     adapter: Any = None
     layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
     groups: Sequence[Sequence[str]] | None = None
