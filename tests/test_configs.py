@@ -191,3 +191,8 @@ def test_gpu_config_fits_its_stated_hardware(config, capsys):
         verdict = next(line for line in out.splitlines() if line.startswith("FITS"))
         # The numbers quoted in the config's comments are the planner's, not stale ones.
         assert verdict in text, f"{config.name}: update the quoted plan to {verdict!r}"
+        # So are the figures quoted between the command and the verdict (GiB to two decimals, units).
+        start = text.index(f"--gpu-memory {gib}")
+        quoted = text[start : text.index(verdict, start)]
+        for figure in re.findall(r"\b\d+\.\d\d\b|\d+ FSDP2? units", quoted):
+            assert figure.replace("FSDP2", "FSDP") in out, f"{config.name}: {figure!r} is not in today's plan:\n{out}"

@@ -32,11 +32,33 @@ class RecordSteps(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         """Under FSDP2, whenever a row block's output gets its gradient (after FSDP's pre-backward
         hook gathered that block), count the blocks gathered (their weight a plain tensor, not the
-        DTensor shard): each block must be freed after its own backward, not at the end of it."""
+        DTensor shard): each block must be freed after its own backward, not at the end of it.
+        Under either strategy, record whether the codec embeddings are gathered when each talker
+        decoder layer's output gets its gradient, from the last layer (early in the backward) to
+        the first (the planner holds them through the backward: `plan._step_transients`)."""
         self.gathered = 0
+        self.codec_gathered: list[list[str]] = []
+        from torch.distributed.tensor import DTensor
+
+        talker = pl_module.model.talker
+        codec = {"talker.model.codec_embedding": talker.model.codec_embedding}
+        for i, m in enumerate(talker.code_predictor.model.codec_embedding):
+            codec[f"talker.code_predictor.model.codec_embedding.{i}"] = m
+        shapes = {name: (m.num_embeddings, m.embedding_dim) for name, m in codec.items()}
+
+        def codec_seen(grad):  # FSDP1 presents a sharded weight as a flat view, FSDP2 as a DTensor
+            whole = [n for n, m in codec.items() if not isinstance(m.weight, DTensor) and m.weight.shape == shapes[n]]
+            self.codec_gathered.append(whole)
+
+        def layer_hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if hidden.requires_grad:
+                hidden.register_hook(codec_seen)
+
+        for layer in pl_module.model.talker.model.layers:
+            layer.register_forward_hook(layer_hook)
         if not self._fsdp2(trainer):
             return
-        from torch.distributed.tensor import DTensor
 
         from tts_lightning.model.row_blocks import EmbeddingRowBlock
 
@@ -54,6 +76,7 @@ class RecordSteps(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.gathered = 0
+        self.codec_gathered = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if not self._fsdp2(trainer):
@@ -89,7 +112,7 @@ class RecordSteps(Callback):
         print(f"[fsdp2-check] rank {pl_module.global_rank}: frozen without grads, buffers ok", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = {"step": trainer.global_step, "loss": float(outputs["loss"])}
+        step = {"step": trainer.global_step, "loss": float(outputs["loss"]), "codec_gathered": self.codec_gathered}
         if self._fsdp2(trainer):  # the gradients are still there, clipped, until the next step's zero_grad
             step["pre_clip"] = self.pre_clip
             step["post_clip"] = _total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])

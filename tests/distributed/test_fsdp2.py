@@ -62,7 +62,15 @@ def test_fsdp2_logs_the_metrics_fsdp1_logs(fsdp1_run, fsdp2_run):
             assert 0.0 <= value <= 1.0 and value == pytest.approx(expected, abs=1e-6), tag
 
 
-def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
+def held_codec_embeddings(tiny_dir, layout) -> set[str]:
+    """The codec-embedding modules in the planner's units held through the backward."""
+    from tts_lightning.distributed.memory import model_shape
+
+    units = model_shape(tiny_dir, layout=layout).units
+    return {p.removesuffix(".weight") for u in units if u.held_in_backward for p, _ in u.params}
+
+
+def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run, tiny_dir):
     run_dir, output = fsdp2_run
     held = re.findall(r"\[rank (\d)\] FSDP2 fully_shard: ([\d,]+) of ([\d,]+) parameters held locally", output)
     assert sorted(r for r, _, _ in held) == ["0", "1"]
@@ -76,6 +84,14 @@ def test_fsdp2_trains_like_fsdp1(fsdp1_run, fsdp2_run):
     assert [u for u in units if u.startswith(text)] == [f"{text}.blocks.{i}" for i in range(TEXT_BLOCKS)]
     for rank in (0, 1):
         ref, new = steps(fsdp1_run, rank), steps(run_dir, rank)
+        # The codec embeddings the planner holds through the backward (`Unit.held_in_backward`) are
+        # the ones gathered when the talker's last layer gets its gradient (early: the code
+        # predictor's backward is done) and still when its first layer does (late).
+        for layout, record in (("fsdp1", ref), ("fsdp2", new)):
+            held = held_codec_embeddings(tiny_dir, layout)
+            for s in record:
+                early, late = s["codec_gathered"][0], s["codec_gathered"][-1]
+                assert set(early) == held <= set(late), (layout, s)
         assert [s["step"] for s in new] == [s["step"] for s in ref] == list(range(1, STEPS + 1))
         torch.testing.assert_close([s["loss"] for s in new], [s["loss"] for s in ref], atol=1e-5, rtol=1e-5)
         # clipping to gradient_clip_val=1.0 happened (the DTensor clip_grad_norm_), and only when needed

@@ -105,6 +105,8 @@ class MemoryPlan:
             )
         weights = "bf16" if self.optimizer.startswith("bf16_sr") else "fp32"
         master = "(fp32 master)" if weights == "fp32" else "(bf16)       "
+        if self.adapter is not None:  # the frozen base in its storage dtype, the adapters fp32
+            master = "(frozen base + adapters)"
         moments = {"adamw": "AdamW, fp32", "adamw8bit": "AdamW 8-bit", "adamw4bit": "AdamW 4-bit"}.get(
             self.optimizer, "bf16 AdamW" if self.optimizer == "bf16_sr" else "AdamW 8-bit"
         )
@@ -115,7 +117,7 @@ class MemoryPlan:
             f"activation checkpointing {ckpt}, cpu offload {offload}, "
             f"{self.micro_batch_frames} talker positions per micro-batch, {self.units} FSDP units",
             "                                                    GiB per GPU",
-            f"  parameters {master}                         {g(self.parameters)}",
+            f"  parameters {master:<38}{g(self.parameters)}",
             f"  gradients ({weights})                                 {g(self.gradients)}",
             f"  optimizer states ({moments})" + " " * (30 - len(moments)) + f"{g(self.optimizer_states)}",
             f"  gathered units + unsharded grads (at the peak)   {g(self.gathered)}",
@@ -230,6 +232,10 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
             )
         total = max(total, samples_total)
     startup, save, host_save, resume = _checkpoint_phases(shape, settings, states)
+    if adapter is not None and not settings.cpu_offload:
+        # LoRA checkpoints hold the trainable tensors only (fp32): the frozen base is never copied.
+        shards = 1 if effective == "NO_SHARD" else settings.gpus
+        host_save = 4 * math.ceil(states.trainable / shards) + states.optimizer
     if settings.samples and settings.samples_at_start:
         # The baseline round runs once the model is sharded (its build transient freed) and before
         # the first step (no gradients or optimizer state yet); a resumed run skips it.
@@ -363,6 +369,16 @@ def _step_transients(
     b, fsdp2 = settings.compute_bytes, settings.fsdp2
     root = shape.units[0]
     others = [u for u in shape.units[1:] if not fsdp2 or u.gathered_in_training]
+
+    def grad_numel(unit: Unit) -> int:  # FSDP2: trainable parameters only; FSDP1: the whole flat one
+        return trainable(unit) if fsdp2 else (unit.numel if trainable(unit) else 0)
+
+    # The codec embeddings: gathered, with their gradient, from early in the backward (the code
+    # predictor's input) to its end (`Unit.held_in_backward`); only those that train get a gradient.
+    held_units = [u for u in others if u.held_in_backward and trainable(u)]
+    others = [u for u in others if u not in held_units]
+    held = sum(u.numel * b + grad_numel(u) * b for u in held_units)
+    held_reduce = max((grad_numel(u) * 4 for u in held_units), default=0)  # its fp32 copy, at the end
     largest = max(others, key=lambda u: u.numel, default=None)
     layer_units = [u for u in others if u.kind != "embedding"] or list(others)
     largest_layer = max(layer_units, key=lambda u: u.numel, default=None)
@@ -380,7 +396,7 @@ def _step_transients(
     root_grad = (trainable(root) if fsdp2 else (root.numel if trainable(root) else 0)) * b
     if effective == "NO_SHARD" and settings.precision == "32-true" and not settings.cpu_offload:
         # Parameters are used in place and gradients accumulate into the persistent fp32 ones.
-        phase_a_units = phase_b_units = gathered_root = 0
+        phase_a_units = phase_b_units = gathered_root = held = held_reduce = 0
     elif effective == "SHARD_GRAD_OP":
         gathered_root = root_b + root_grad
         all_gathered = sum(u.numel for u in others) * b
@@ -390,6 +406,8 @@ def _step_transients(
         gathered_root = root_b + root_grad
         phase_a_units = unit_transient(largest_layer, 2)  # the running unit + one prefetched
         phase_b_units = unit_transient(largest, 1)
+    phase_a_units += held
+    phase_b_units = held + max(phase_b_units, held_reduce)
     ckpt_t, ckpt_cp = _checkpointed(settings.activation_checkpointing)
     acts, logits = _activation_bytes(shape.dims, settings.micro_batch_frames, b, ckpt_t, ckpt_cp)
     a, b_phase = gathered_root + phase_a_units + acts + logits, gathered_root + phase_b_units + logits

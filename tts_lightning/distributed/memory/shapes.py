@@ -24,7 +24,7 @@ import io
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -57,8 +57,9 @@ LAYOUTS = ("fsdp1", "fsdp2")
 # `Qwen3TTSFSDP2Strategy`'s defaults (its ``layer_classes`` and ``groups``), written here so that the
 # planner needs nothing of the strategy's module; tests/distributed/test_memory_fsdp2.py checks them.
 FSDP2_LAYERS = (TALKER_LAYER, PREDICTOR_LAYER, "tts_lightning.model.row_blocks.EmbeddingRowBlock")
+TALKER_CODEC, PREDICTOR_CODEC = "talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding"
 FSDP2_GROUPS = (
-    ("talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding.*"),
+    (TALKER_CODEC, f"{PREDICTOR_CODEC}.*"),
     ("speaker_encoder",),
 )
 # Modules the training step never runs (the x-vectors are precomputed by the data module): under
@@ -78,6 +79,10 @@ class Unit:
     kind: UnitKind
     params: tuple[tuple[str, int], ...]
     rows: tuple[int, ...] = ()
+    # FSDP2 runs a unit's post-backward when a gradient reaches its forward's inputs, else at the end
+    # of the backward: a group of embeddings (ids in) stays gathered, with its full gradient, from
+    # the first gradient reaching it to the end (the text embedding's row blocks have an anchor).
+    held_in_backward: bool = False
 
     @property
     def numel(self) -> int:
@@ -162,7 +167,14 @@ def _fsdp1_units(model: nn.Module, wrap: Sequence[str], adapter: Any) -> list[Un
     root: list[tuple[str, nn.Parameter]] = []
     collect(model, "", root)
     units.insert(0, _unit("", "root", root))
-    return units
+    # A unit's post-backward runs when its gradient is complete: the codec embeddings the code
+    # predictor reads (its input, early in the backward) and the talker too (its input, at the end)
+    # stay gathered, with their gradient, in between; the predictor's last one is read by the talker
+    # alone (tests/distributed/test_fsdp2.py records both strategies).
+    indices = [u.name.removeprefix(f"{PREDICTOR_CODEC}.") for u in units if u.name.startswith(f"{PREDICTOR_CODEC}.")]
+    predictor = [f"{PREDICTOR_CODEC}.{i}" for i in sorted(int(i) for i in indices if i.isdigit())]
+    early = {TALKER_CODEC, *predictor[:-1]}
+    return [replace(u, held_in_backward=True) if u.name in early else u for u in units]
 
 
 def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Sequence[str]]) -> list[Unit]:
@@ -173,6 +185,7 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
     modules = dict(model.named_modules())
     owner: dict[str, tuple[str, UnitKind]] = {}  # module name -> (unit name, kind)
     order: list[tuple[str, UnitKind]] = []
+    held: set[str] = set()
     for name, module in modules.items():
         if name and isinstance(module, layer_classes):
             owner[name] = (name, _kind(module, name))  # the text embedding's row blocks: "embedding"
@@ -187,6 +200,8 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
         unit_name = members[0] if len(members) == 1 else " + ".join(globs)
         kinds = {_kind(modules[m], m) for m in members}
         entry = (unit_name, kinds.pop() if len(kinds) == 1 else "other")
+        if entry[1] == "embedding":
+            held.add(unit_name)
         for m in members:
             owner[m] = entry
         order.append(entry)
@@ -201,11 +216,12 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
                 target = params[hit[0]]
                 break
         target.append((pname, param))
-    return [_unit("", "root", root), *(_unit(name, kind, params[name]) for name, kind in order)]
+    units = [_unit(name, kind, params[name], held_in_backward=name in held) for name, kind in order]
+    return [_unit("", "root", root), *units]
 
 
-def _unit(name: str, kind: UnitKind, params: list[tuple[str, nn.Parameter]]) -> Unit:
-    return Unit(name, kind, tuple((n, p.numel()) for n, p in params), tuple(_rows(p) for _, p in params))
+def _unit(name: str, kind: UnitKind, params: list[tuple[str, nn.Parameter]], **flags: bool) -> Unit:
+    return Unit(name, kind, tuple((n, p.numel()) for n, p in params), tuple(_rows(p) for _, p in params), **flags)
 
 
 @lru_cache(maxsize=16)
