@@ -518,3 +518,15 @@ def test_plan_reads_ray_fit_options(tiny_dir, lightning, ray, held, capsys):
     out = capsys.readouterr().out
     assert "4 GPU(s)" in out
     assert f"checkpoint save {plan.checkpoint_save / 2**30:.2f}" in out
+
+
+def test_a_lora_checkpoint_holds_the_trainable_tensors_only():
+    """LoRA checkpoints hold the adapters (fp32) and their AdamW state, never the frozen base: the
+    host memory of a save is theirs alone; the table names the parameters as the base + adapters."""
+    for layout in ("fsdp1", "fsdp2"):
+        lora = plan_memory("1.7b", gpus=1, gpu_memory_gb=16, adapter={"rank": 16, "alpha": 32}, layout=layout)
+        assert lora.checkpoint_host == 4 * lora.trainable_parameters + lora.optimizer_states
+        assert lora.checkpoint_host < lora.parameters / 10
+        assert "parameters (frozen base + adapters)" in lora.table()
+    full = plan_memory("1.7b", gpus=4, gpu_memory_gb=16)
+    assert full.checkpoint_host == full.parameters + full.optimizer_states
