@@ -8,8 +8,9 @@ could not run, and still writes both files.
 0. preflight: every module the steps import, each named when missing (nothing else runs then);
 1. the shipped 1-GPU configs on the GPU with the tiny model, NCCL at world size 1 (FSDP1 NO_SHARD,
    bf16-mixed, the samples callback, lean sharded checkpoints, pinned batches, resume from last):
-   configs/qwen3-tts-0.6b-1gpu.yaml; and configs/qwen3-tts-0.6b-1gpu-fsdp2.yaml with cpu_offload
-   (gradients clipped on the CPU through the process group's gloo backend beside NCCL); and
+   configs/qwen3-tts-0.6b-1gpu.yaml, also with cpu_offload (pinned shards saved and resumed); and
+   configs/qwen3-tts-0.6b-1gpu-fsdp2.yaml with cpu_offload (gradients clipped on the CPU through the
+   process group's gloo backend beside NCCL); and
    configs/qwen3-tts-1.7b-1x24gb.yaml (model.optimizer bf16_sr_adamw8bit: torchao's compiled step,
    8-bit state saved per rank, resume from last);
    meanwhile the released-size 1.7B and 0.6B random-weight directories are built (CPU);
@@ -103,6 +104,35 @@ def fit_config(name: str, config: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def metadata_on_host(meta: Path) -> bool:
+    """A sharded checkpoint's ``meta.pt`` (rank 0's ModelCheckpoint scores, loop state...) holds no
+    CUDA tensor: read on another rank without a map_location it would land on cuda:0 there (the
+    GPU side of `AtomicCheckpoints._write_sharded`, which CPU runs cannot show)."""
+    import torch
+
+    found: list[str] = []
+
+    def walk(value, where: str) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            found.append(f"{where}: {value.device}")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    began = time.monotonic()
+    try:
+        walk(torch.load(meta, weights_only=False), "meta")
+        status = "ok" if not found else f"CUDA tensors in {meta}: {found[:5]}"
+    except OSError as error:
+        status = f"unreadable: {error}"
+    report["steps"]["metadata_on_host"] = {"status": status, "seconds": round(time.monotonic() - began, 1)}
+    log.append(f"===== metadata_on_host: {status}")
+    return status == "ok"
+
+
 def real_size(name: str, *args: str) -> list[str]:
     return [
         "benchmarks/real_size.py",
@@ -130,6 +160,8 @@ def main() -> int:
         one_gpu = "configs/qwen3-tts-0.6b-1gpu.yaml"
         fsdp2 = "configs/qwen3-tts-0.6b-1gpu-fsdp2.yaml"
         offload = "config_0.6b_1gpu_fsdp2_offload"
+        # FSDP1 with cpu_offload at world size 1: pinned shards in the lean sharded checkpoint.
+        offload1 = "config_0.6b_1gpu_offload"
         # model.optimizer bf16_sr_adamw8bit on a GPU: torchao's compiled step (CPU runs it eagerly).
         lean = "configs/qwen3-tts-1.7b-1x24gb.yaml"
         ok &= finish(
@@ -138,6 +170,7 @@ def main() -> int:
                 start("build_0.6b", ["benchmarks/released_dir.py", "0.6b", "runs/bench/released-0.6b"], threads=4),
                 start("config_0.6b_1gpu", fit_config("config_0.6b_1gpu", one_gpu)),
                 start(offload, fit_config(offload, fsdp2, "--trainer.strategy.init_args.cpu_offload", "true")),
+                start(offload1, fit_config(offload1, one_gpu, "--trainer.strategy.init_args.cpu_offload", "true")),
                 start("config_1.7b_1x24gb", fit_config("config_1.7b_1x24gb", lean)),
             ],
             limit=240,
@@ -145,9 +178,19 @@ def main() -> int:
         if ok:  # resume the FSDP1 run from its last checkpoint, one step more
             resume = fit_config("config_0.6b_1gpu", one_gpu, "--trainer.max_steps", "3", "--ckpt_path", "last")
             lean_resume = fit_config("config_1.7b_1x24gb", lean, "--trainer.max_steps", "3", "--ckpt_path", "last")
+            offload_resume = fit_config(
+                offload1, one_gpu, "--trainer.strategy.init_args.cpu_offload", "true", "--trainer.max_steps", "3"
+            ) + ["--ckpt_path", "last"]
             ok &= finish(
-                [start("config_0.6b_1gpu_resume", resume), start("config_1.7b_1x24gb_resume", lean_resume)], limit=90
+                [
+                    start("config_0.6b_1gpu_resume", resume),
+                    start("config_1.7b_1x24gb_resume", lean_resume),
+                    start(f"{offload1}_resume", offload_resume),
+                ],
+                limit=90,
             )
+        if ok:
+            ok &= metadata_on_host(WORK / "config_0.6b_1gpu" / "checkpoints" / "last.ckpt" / "meta.pt")
         name = "real_1.7b_16gb"
         timed = start(name, real_size(name, "--gpu-memory", "16", "--steps", "4"), threads=8)
         ok &= finish([timed], 150, {name: WORK / f"{name}.json"})

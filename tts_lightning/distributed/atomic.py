@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import ParallelStrategy
 
 META = "meta.pt"  # Lightning's file of a sharded checkpoint's loops, callbacks and hyper-parameters
@@ -104,7 +105,10 @@ class AtomicCheckpoints(ParallelStrategy):
         if not self.is_global_zero:
             return {}
         meta = io.BytesIO()
-        torch.save(checkpoint, meta)
+        # Rank 0's tensors (ModelCheckpoint's scores...) in host memory: read back on another rank's
+        # GPU they would land on cuda:0 (a CUDA context there per rank) and meet that rank's own
+        # tensors on another device. On CPU nothing moves: checked by benchmarks/gpu_check.py.
+        torch.save(move_data_to_device(checkpoint, "cpu"), meta)
         (path / META).write_bytes(meta.getvalue())
         return {"meta": meta.getvalue(), "indexes": {n: pickle.dumps(m) for n, m in writer.node_indexes.items()}}
 

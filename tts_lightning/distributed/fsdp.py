@@ -358,7 +358,7 @@ class Qwen3TTSFSDPStrategy(AtomicCheckpoints, FSDPStrategy):
             raise KeyError(f"{path} lacks {len(missing)} tensor(s) of this model, e.g. {missing[:3]}")
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         load(self._lean(), path, keys=wanted & stored, optimizers=list(self.optimizers) if fitting else [])
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         from tts_lightning.distributed import rank_local_state

@@ -322,7 +322,7 @@ class Qwen3TTSFSDP2Strategy(AtomicCheckpoints, ModelParallelStrategy):
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
             )
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
 
     def _report_shards(self, module: nn.Module) -> None:
         """Say on every rank how much of the model it holds (the first thing to check when memory

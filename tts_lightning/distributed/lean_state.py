@@ -149,7 +149,9 @@ class LeanShards:
                     mine.append(Shard(_alias(view), box))
         if not mine:
             return None
-        properties = TensorProperties(dtype=local.dtype, requires_grad=False)
+        # cpu_offload pins the local shard (FSDP1 on a GPU): ShardedTensor refuses properties that
+        # disagree with its shards' pinning (CPU runs cannot pin: checked by benchmarks/gpu_check.sh).
+        properties = TensorProperties(dtype=local.dtype, requires_grad=False, pin_memory=local.is_pinned())
         whole = ShardedTensorMetadata(shards_metadata=metadata, size=torch.Size(shape), tensor_properties=properties)
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, whole, process_group=group)
 
