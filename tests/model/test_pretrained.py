@@ -62,3 +62,18 @@ def test_missing_text_tokenizer(tmp_path, tiny_dir):
     (d / "merges.txt").unlink()
     with pytest.raises(PretrainedError, match="text tokenizer incomplete, missing merges.txt"):
         check_pretrained(d)
+
+
+def test_a_model_read_onto_a_device_has_its_buffers_there(tiny_dir):
+    """`MetaWeights.materialize_all(device=...)` (replay records, forgetting scores) moves the buffers
+    built on the CPU too: the talker's rotary embedding multiplies its ``inv_freq`` with positions on
+    the model's device without moving it (a GPU run failed there). CPU rehearsal: the meta device
+    stands for the GPU."""
+    from tts_lightning.model.loading import MetaWeights, build_empty_model
+
+    info = check_pretrained(tiny_dir)
+    model = build_empty_model(info)
+    assert any(b.device.type == "cpu" for b in model.buffers())
+    MetaWeights(model, info).materialize_all(model, device="meta")
+    assert [n for n, b in model.named_buffers() if b.device.type != "meta"] == []
+    assert all(p.device.type == "meta" for p in model.parameters())

@@ -220,10 +220,12 @@ class MetaWeights:
                 del full
 
     def materialize_all(self, model: nn.Module, *, device: torch.device | str = "cpu") -> nn.Module:
+        """Every parameter read onto ``device``, and the buffers (built on the CPU: the MRoPE
+        ``inv_freq``, which the talker's rotary embedding does not move itself) moved there too."""
         with torch.no_grad():
             for module in model.modules():
                 self.materialize(module, device=device)
-        return model
+        return model.to(device)
 
 
 def copy_model(
