@@ -55,14 +55,23 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])  # <root>/tts_lightning/data/ray_prepare.py
 
 
-def actor_device(device: str | None) -> tuple[float, str | None]:
+def actor_device(device: str | None, *, cuda_available: bool | None = None) -> tuple[float, str]:
     """(GPUs each encoding actor asks Ray for, the device it encodes on) for the prepare device:
     a CUDA device becomes one GPU per actor, which Ray makes the actor's only visible one
-    (``cuda``); without asking, every actor's speech tokenizer landed on GPU 0 (older Ray: on the
-    CPU, silently). Checked on a GPU by benchmarks/gpu_check.sh."""
-    if device is not None and str(device).startswith("cuda"):
+    (``cuda``). None is the prepare default, decided here as on one machine (a GPU when the driver
+    sees one, ``cuda_available``, else the CPU), never by each actor: Ray hides no GPU from an
+    actor that asks for none, so every actor's speech tokenizer landed on GPU 0. The decision is
+    rehearsed on CPU (tests/data/test_ray_prepare.py); Ray has not run on a GPU here (the GPU
+    check's wheels do not carry it)."""
+    if device is None:
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        device = "cuda" if cuda_available else "cpu"
+    if str(device).startswith("cuda"):
         return 1.0, "cuda"
-    return 0.0, device
+    return 0.0, str(device)
 
 
 def encode_with_ray(
