@@ -12,6 +12,10 @@ through the same aten ops, which a `TorchDispatchMode` sees:
   they read a count back too. Recorded separately (`shape_reads`): the loss's target selection uses
   them by design (documented in docs/architecture.md).
 
+* ``torch.distributed.barrier``: NCCL's blocks the CPU until the GPU has caught up (Lightning's
+  `Strategy.reduce` and ``self.log(..., sync_dist=True)`` call it before each all-reduce); seen by
+  a profile hook (`sys.setprofile`) on calls into it, counted in `syncs` too.
+
 `HostReads` is a Lightning callback: it records from ``on_train_batch_start`` of step k to the
 ``on_train_batch_start`` of step k+1 (or ``on_train_end``), which covers the forward, backward,
 gradient clipping, optimizer and scheduler steps and Lightning's logging of step k. The data
@@ -20,6 +24,7 @@ loader runs in worker processes in the tests, so the collate (host work on host 
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -82,15 +87,16 @@ class _Step:
         self.scalar_reads = 0
         self.shape_reads = 0
         self.host_copies: Counter[str] = Counter()
+        self.barriers = 0
 
     @property
     def syncs(self) -> int:
-        return self.scalar_reads + sum(self.host_copies.values())
+        return self.scalar_reads + sum(self.host_copies.values()) + self.barriers
 
     def __repr__(self) -> str:
         return (
             f"step {self.step}: {self.scalar_reads} scalar reads, {dict(self.host_copies)} copies, "
-            f"{self.shape_reads} shape reads, from {dict(self.sites)}"
+            f"{self.barriers} barriers, {self.shape_reads} shape reads, from {dict(self.sites)}"
         )
 
 
@@ -103,6 +109,7 @@ class HostReads(L.Callback):
         self._modes: tuple[_Function, _Dispatch] | None = None
 
     def _close(self) -> None:
+        sys.setprofile(None)
         if self._modes is not None:
             function, dispatch = self._modes
             dispatch.__exit__(None, None, None)
@@ -122,6 +129,14 @@ class HostReads(L.Callback):
         self._modes = (_Function(record), _Dispatch(record))
         self._modes[0].__enter__()
         self._modes[1].__enter__()
+
+        def profile(frame, event, arg) -> None:
+            code = frame.f_code
+            if event == "call" and code.co_name == "barrier" and code.co_filename.endswith("distributed_c10d.py"):
+                record.barriers += 1
+                record.sites[_site()] += 1
+
+        sys.setprofile(profile)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._close()  # validation reads its epoch results back by design

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from tts_lightning.distributed.step_collectives import all_reduce_in_step
 from tts_lightning.errors import ConfigError
 from tts_lightning.hparams import HParam
 from tts_lightning.model.custom_voice import (
@@ -304,15 +305,20 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         # add_dataloader_idx: val/* keep their names beside the replay loader (`validation_step`).
         once: dict[str, Any] = {"batch_size": n, "on_epoch": True, "add_dataloader_idx": False}
         losses = {"loss": out.loss, "talker_loss": out.talker_loss, "code_predictor_loss": out.code_predictor_loss}
-        for name, value in losses.items():
-            # sync_dist: the logged step loss is the mean over ranks, an all-reduce queued on the device
-            # (no host wait). The progress bar shows train/loss from `StepProgressBar` at logging steps:
-            # prog_bar=True would make Lightning convert it to a float after every step.
-            prog_bar = name == "loss" and not train
-            self.log(f"{stage}/{name}", value, prog_bar=prog_bar, sync_dist=True, on_step=train, **once)
         if train:
+            # The logged step losses are the means over ranks: one all-reduce queued on the device,
+            # not `sync_dist`'s barrier and all-reduce per value (a host wait on NCCL). The epoch's
+            # value is the mean of its steps' (batch_size 1), the same on every rank. The progress
+            # bar shows train/loss from `StepProgressBar` at logging steps: prog_bar=True would make
+            # Lightning convert it to a float after every step.
+            means = all_reduce_in_step(torch.stack([v.detach() for v in losses.values()]), "mean")
+            for name, value in zip(losses, means):
+                self.log(f"train/{name}", value, on_step=True, on_epoch=True, batch_size=1, add_dataloader_idx=False)
             self._log_train_accuracy(out, n)
             return out.loss
+        for name, value in losses.items():
+            # sync_dist: validation's losses are the same on every rank (a checkpoint monitors them).
+            self.log(f"{stage}/{name}", value, prog_bar=name == "loss", sync_dist=True, on_step=False, **once)
         metrics = [cast(MulticlassAccuracy, m) for m in cast(nn.ModuleList, self.accuracy[f"{stage}_acc"])]
         pairs = [(out.talker_logits, out.talker_targets)] + [
             (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(self.num_code_groups - 1)
@@ -337,9 +343,10 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         and export carry, on every rank: each row comes from one rank that saw the speaker (summing
         one value with zeros is exact), so all ranks hold the same complete table.
 
-        The collectives are the strategy's (`Strategy.reduce`: FSDP, DDP, a single process, where
-        it returns its input), on tensors made on the strategy's root device (NCCL refuses CPU
-        tensors). Without a trainer, only this process's rows are filled. All on the device: whether
+        The collectives are all-reduces over the default process group, queued on the device
+        (`all_reduce_in_step`: no barrier; a single process gets its input back), on tensors made on
+        the strategy's root device (NCCL refuses CPU tensors). Without a trainer, only this
+        process's rows are filled. All on the device: whether
         the table is complete is read back only on logging steps (`_speakers_complete`, the same
         decision on every rank, which then skip the collectives together)."""
         table = self.speaker_embeddings
@@ -353,8 +360,8 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         local[batch.speaker_index.to(device)] = batch.speaker_embedding.to(device=device, dtype=table.dtype)
         if strategy is not None:
             me = self.global_rank + 1
-            owner = strategy.reduce((local.abs().sum(1) > 0).long() * me, reduce_op="max")
-            local = strategy.reduce(local * (owner == me)[:, None], reduce_op="sum")
+            owner = all_reduce_in_step((local.abs().sum(1) > 0).long() * me, "max")
+            local = all_reduce_in_step(local * (owner == me)[:, None], "sum")
         local = local.to(table.device)
         new = (local.abs().sum(1) > 0) & (table.abs().sum(1) == 0)
         table.copy_(torch.where(new[:, None], local, table))
