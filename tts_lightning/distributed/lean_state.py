@@ -228,8 +228,12 @@ def load(shards: LeanShards, path: Path, *, keys: set[str], optimizers: list[tor
             param, piece = shards.parameter(fqn), shards.piece(fqn)
             if piece.numel() == 0:
                 continue  # none of it here: no state either (its step count may lie on another node)
+            # Step counts (0-dim) on the host, where torch's and torchao's optimizers create them (fused
+            # AdamW moves its own): on the GPU, reading one (bf16_sr's rounding seed) waits for it.
             value = torch.empty(
-                piece.numel() if len(meta.size) else (), dtype=meta.properties.dtype, device=piece.device
+                piece.numel() if len(meta.size) else (),
+                dtype=meta.properties.dtype,
+                device=piece.device if len(meta.size) else "cpu",
             )
             tensors.setdefault(param, {})[name] = value.view(param.shape) if len(meta.size) else value
             views.setdefault(fqn, {})[name] = shards.sharded(fqn, value) if len(meta.size) else value
