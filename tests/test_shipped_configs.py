@@ -2,8 +2,10 @@
 CPU with the tiny model: `fit` a few steps with validation and its callbacks, resume from ``last``,
 `validate`.
 
-Only what CPU and a test must change is overridden (`OVERRIDES`): the accelerator, the pretrained
-directory, the data paths, the number of steps, the validation interval and the samples' length.
+Only what CPU and a test must change is overridden (`overrides`): the accelerator, the pretrained
+directory, the data paths, the number of steps, the validation interval and the samples' length;
+where a config accumulates gradients, the positions per micro-batch, so that the demo's few clips
+make several micro-batches per step (at the shipped 2000 one holds them all).
 Everything else stays as shipped: the world size (1 or 4 processes), the strategy and its options,
 precision, callbacks, checkpoint settings and monitor, freeze lists, LoRA. The 1-GPU configs are
 the world-size-1 runs (FSDP1 switches to NO_SHARD there) with the samples callback.
@@ -77,7 +79,20 @@ def overrides(config: Path, workdir: Path, tiny_dir: Path, run: Path) -> list:
         args += ["--trainer.check_val_every_n_epoch", STEPS]
     if _has_samples(config):
         args += ["--trainer.callbacks.max_new_tokens", 6]
+    if _accumulate(config) > 1:  # the demo's epoch as 4 micro-batches (1 at 2000 positions): accumulated
+        args += ["--data.max_frames_per_batch", 500]
     return args
+
+
+def _accumulate(config: Path) -> int:
+    return (_raw(config).get("trainer") or {}).get("accumulate_grad_batches", 1)
+
+
+def _micro_batches(checkpoint: Path) -> int:
+    """The training batches the run has completed (Lightning's loop state in the checkpoint)."""
+    meta = checkpoint / "meta.pt" if checkpoint.is_dir() else checkpoint
+    loops = torch.load(meta, map_location="cpu", weights_only=False)["loops"]
+    return loops["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"]
 
 
 def _event_tags(run: Path) -> dict[str, list[str]]:
@@ -120,6 +135,8 @@ def rehearse(config: Path, workdir: Path, tiny_dir: Path, run_cli) -> None:
     last = run / "checkpoints" / "last.ckpt"
     assert last.exists(), output[-3000:]
     assert _steps_of(last) == STEPS
+    if _accumulate(config) > 1:  # each optimizer step summed several micro-batches' gradients
+        assert _micro_batches(last) >= 2 * STEPS, _micro_batches(last)
     monitor = (_raw(config).get("checkpoint") or {}).get("monitor", "val/loss")
     kept = [c for c in (run / "checkpoints").iterdir() if c.name != "last.ckpt" and not c.name.startswith(".")]
     assert kept, f"no checkpoint kept by {monitor}: {output[-3000:]}"
