@@ -153,3 +153,26 @@ def test_learning_rate_warms_up_then_holds_or_decays_to_zero(tiny_dir, schedule)
         assert all(a > b for a, b in zip(rates[4:], rates[5:]))  # decaying
         assert rates[12] == pytest.approx(5e-4)  # half-way through the decay
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # at the last step
+
+
+def test_warmup_ratio_is_a_fraction_of_the_run(tiny_dir):
+    """``warmup_ratio`` warms up over that fraction of the trainer's optimizer steps (rounded up), so a
+    short run reaches its peak; it cannot be given with ``warmup_steps``."""
+    import lightning as L
+
+    from tts_lightning.errors import ConfigError
+
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice"], learning_rate=1e-3, warmup_ratio=0.1)
+    module.configure_model()
+    module.trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3])  # 3 = 10% of 30 steps
+    for bad in ({"warmup_ratio": 0.1, "warmup_steps": 5}, {"warmup_ratio": 1.5}):
+        with pytest.raises(ConfigError, match="warmup_ratio"):
+            Qwen3TTSModule(str(tiny_dir), speakers=["alice"], **bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class Qwen3TTSModule(TrainAccuracyLogging):
             similarity; watch ``val/speaker_similarity`` to pick a checkpoint.
         weight_decay: AdamW decoupled weight decay.
         warmup_steps: linear warm-up from 0, in optimizer steps.
+        warmup_ratio: the warm-up as a fraction of the run's optimizer steps instead (as Hugging
+            Face's ``warmup_ratio``; Lightning's ``estimated_stepping_batches``, rounded up): it
+            scales with the data, where a fixed count can outlast a short run. Not both.
         lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to zero at the last step
             (transformers' ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``).
         sub_talker_loss_weight: weight of the code-predictor loss (0.3 as upstream).
@@ -93,6 +97,7 @@ class Qwen3TTSModule(TrainAccuracyLogging):
     learning_rate: HParam[float] = HParam()
     weight_decay: HParam[float] = HParam()
     warmup_steps: HParam[int] = HParam()
+    warmup_ratio: HParam[float] = HParam()
     lr_schedule: HParam[Literal["constant", "cosine"]] = HParam()
     sub_talker_loss_weight: HParam[float] = HParam()
     freeze_patterns: HParam[list[str]] = HParam("freeze")
@@ -107,6 +112,7 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         learning_rate: float = 2e-5,
         weight_decay: float = 0.01,
         warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
         lr_schedule: Literal["constant", "cosine"] = "constant",
         sub_talker_loss_weight: float = 0.3,
         freeze: list[str] = list(_DEFAULT_FREEZE),
@@ -117,6 +123,11 @@ class Qwen3TTSModule(TrainAccuracyLogging):
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, None)
+        if not 0.0 <= warmup_ratio < 1.0 or (warmup_ratio and warmup_steps):
+            raise ConfigError(
+                f"model.warmup_ratio {warmup_ratio} with warmup_steps {warmup_steps}: give warmup_steps, or "
+                "warmup_ratio in [0, 1) with warmup_steps 0"
+            )
         self.adapter = LoRASettings.coerce(adapter)
         self.save_hyperparameters()  # the settings below (`HParam`) are these entries, typed
         self.freeze_patterns = list(freeze)  # a copy: the default list is shared between instances
@@ -467,9 +478,14 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         # Hugging Face's schedules: linear warm-up from 0, then constant or cosine to 0 at the last step.
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-        if self.lr_schedule == "cosine":
+        warmup = self.warmup_steps
+        total = 0
+        if self.lr_schedule == "cosine" or self.warmup_ratio:
             total = max(int(self.trainer.estimated_stepping_batches), 1)
-            scheduler = get_cosine_schedule_with_warmup(optimizer, self.warmup_steps, total)
+        if self.warmup_ratio:
+            warmup = math.ceil(self.warmup_ratio * total)
+        if self.lr_schedule == "cosine":
+            scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)
         else:
-            scheduler = get_constant_schedule_with_warmup(optimizer, self.warmup_steps)
+            scheduler = get_constant_schedule_with_warmup(optimizer, warmup)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
