@@ -51,6 +51,14 @@ def command(args: list[str], work: Path, name: str = "fit") -> None:
         raise SystemExit(f"{name} failed ({proc.returncode}); its output is above")
 
 
+def largest_parameter(pretrained: Path) -> int:
+    """Values in the model's largest parameter (read from the config on the meta device)."""
+    from tts_lightning.distributed.memory import resolve_config
+    from tts_lightning.distributed.memory.shapes import build_meta_model
+
+    return max(p.numel() for p in build_meta_model(resolve_config(pretrained)[1]).parameters())
+
+
 def phases(folder: Path) -> tuple[dict[str, int], dict[str, int]]:
     """Per phase: the summed peak RSS, and the summed peak above each rank's baseline."""
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -147,15 +155,21 @@ def main() -> int:
     }
     planned = {k: 2 * (v - CUDA_OVERHEAD_BYTES) for k, v in planned.items()}  # two ranks, no CUDA here
     if args.samples:
-        # Rank 0 at the samples' peak: what the planner's sampling phase holds besides the copy (its
-        # GPU is this host), and the larger of the full fp32 weights gathered to host memory (the copy
-        # is built from them as they are freed) and the copy with its KV cache; rank 1 holds its
-        # parameters and optimizer state.
+        # Rank 0 in a sampling round: what the planner's phase holds besides the copy (its GPU is this
+        # host), and the larger of the copy with its KV cache and the full fp32 weights gathered to
+        # host memory while the copy is built from them: each gathered value is freed once copied, so
+        # the gathered state and the copy together stay at one model, plus the copy's parameter being
+        # allocated before its gathered value goes (the largest: the text embedding). Rank 1 holds
+        # its parameters, and after the steps its optimizer state.
         sampled = plan_from_config(args.config, 1000, overrides=[*overrides, *samples])
         generation = max(sampled.samples_model + sampled.samples_cache, sampled.speech_tokenizer)
+        copy_bytes = sampled.samples_model // sampled.total_parameters
+        building = 4 * plan.total_parameters + copy_bytes * largest_parameter(pretrained)
         held = sampled.samples_total - CUDA_OVERHEAD_BYTES - generation
         rank1 = plan.parameters + plan.optimizer_states
-        planned["validation end"] = held + max(4 * plan.total_parameters, generation) + rank1
+        planned["validation end"] = held + max(building, generation) + rank1
+        # The baseline round at the start: the same, before any optimizer state exists.
+        planned["start"] = max(planned["start"], 2 * plan.parameters + max(building, generation))
     fit_total, fit_above = phases(args.work / "fit")
     resume_total, resume_above = phases(args.work / "resume")
     fit_live, resume_live = live_heap(args.work / "fit"), live_heap(args.work / "resume")
