@@ -71,6 +71,39 @@ def test_offloaded_gradient_clipping_needs_a_cpu_backend_beside_nccl():
     assert all("No backend type associated with device type cpu" in str(r) for r in nccl_only), nccl_only
 
 
+def _gather_host_objects(rank, backend, store, results):
+    """One rank of 2: its optimizer state (a host object) gathered on rank 0 as a full checkpoint
+    gathers the quantized optimizers' per-rank state."""
+    from tts_lightning.distributed.rank_local_state import gather_on_rank0
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        try:
+            results[rank] = gather_on_rank0({"rank": rank, "codes": torch.full((3,), rank)}, rank, 2)
+        except Exception as exc:  # reported to the test, which says what failed
+            results[rank] = f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two forked ranks
+def test_host_objects_are_gathered_over_a_cpu_group_beside_nccl(tmp_path):
+    """`rank_local_state.gather_on_rank0` under NCCL alone (its stand-in: gloo registered for the CUDA
+    device type only, where torch's object collectives stage the objects on the GPU: "Found no
+    NVIDIA driver" here before): a gloo group gathers them in host memory."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        backend = stand_in(choose_backend(CUDA, cpu_offload=False))
+        store = str(tmp_path / "store")
+        mp.start_processes(_gather_host_objects, args=(backend, store, results), nprocs=2, start_method="fork")
+        on_rank0, elsewhere = results[0], results[1]
+    assert elsewhere is None, elsewhere
+    assert isinstance(on_rank0, list), on_rank0
+    assert [g["rank"] for g in on_rank0] == [0, 1], on_rank0
+    assert [g["codes"].tolist() for g in on_rank0] == [[0, 0, 0], [1, 1, 1]]
+
+
 def test_ray_gpu_workers_get_the_cpus_of_their_gpu_under_cpu_offload():
     """ray-fit's default CPUs per worker: AdamW steps on the CPU under cpu_offload, so a GPU worker
     asks for its share of the node's CPUs (Ray sets its OMP_NUM_THREADS to that), not one."""

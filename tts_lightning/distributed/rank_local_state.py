@@ -136,12 +136,33 @@ def gather_full(optimizer: torch.optim.Optimizer, rank: int, world_size: int) ->
     cpu = _to_cpu(local_state(optimizer))
     if world_size == 1:
         return {RANK_LOCAL: {"rank0": cpu}}
-    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    torch.distributed.gather_object(cpu, gathered, dst=0)
-    if rank != 0:
+    gathered = gather_on_rank0(cpu, rank, world_size)
+    if gathered is None:
         return {}
-    assert gathered is not None
     return {RANK_LOCAL: {f"rank{r}": s for r, s in enumerate(gathered)}}
+
+
+_HOST_GROUPS: dict[int, Any] = {}
+
+
+def gather_on_rank0(value: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's ``value`` (a host object) on global rank 0 (None elsewhere), over a group that
+    serves CPU tensors: the default one when it does (gloo; ``cpu_offload``'s "cpu:gloo,cuda:nccl"),
+    else a gloo group over the same ranks, made once (every rank calls this together). Over NCCL
+    alone, ``gather_object`` stages each rank's pickled value on its GPU and rank 0 receives all of
+    them there: about the whole 8-bit optimizer state at every full save. Rehearsed on CPU with a
+    process group whose only backend serves the GPU (tests/distributed/test_process_group.py)."""
+    dist = torch.distributed
+    backend = str(dist.get_backend())
+    group = None
+    if backend != "gloo" and "cpu:" not in backend:
+        key = id(dist.group.WORLD)
+        if key not in _HOST_GROUPS:
+            _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+        group = _HOST_GROUPS[key]
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(value, gathered, dst=0, group=group)
+    return gathered
 
 
 def _to_cpu(tree: Any) -> Any:
