@@ -71,7 +71,8 @@ def test_fit_trains_with_two_fsdp_ranks(fitted):
     for rank in (0, 1):  # every step's loss, as each rank saw it (fsdp2_callbacks.RecordSteps)
         losses = [s["loss"] for s in json.loads((run_dir / f"steps-rank{rank}.json").read_text())]
         assert len(losses) == STEPS and losses[-1] < losses[0], losses
-    assert "train/loss_step" in logged
+    assert "train/loss_step" in logged and "train/loss_epoch" in logged
+    assert "It is recommended to use `self.log('train/" not in output  # reduced at each step already
     assert "val/loss" in logged and "train/acc_codebook_15_step" in logged and "lr-AdamW" in logged
     checkpoints = list(run_dir.rglob("*.ckpt"))
     assert any(c.name == "last.ckpt" for c in checkpoints)

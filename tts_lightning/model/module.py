@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,13 @@ class PredictTools:
     text_tokenizer: Any
     speech_tokenizer: Any
     generation: dict[str, Any]
+
+
+# Lightning suggests sync_dist for epoch values logged without it; the training losses are reduced
+# over ranks already, at every step (`Qwen3TTSModule._shared_step`).
+warnings.filterwarnings(
+    "ignore", message=r"It is recommended to use `self.log\('train/(loss|talker_loss|code_predictor_loss)'"
+)
 
 
 class Qwen3TTSModule(TrainAccuracyLogging):
