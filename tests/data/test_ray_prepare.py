@@ -46,8 +46,9 @@ def test_ray_workers_write_the_same_codes_as_one_process(tiny_dir, tmp_path, cap
 
 def test_gpu_encoding_actors_ask_ray_for_a_gpu_each():
     """A CUDA prepare device: each actor asks Ray for one GPU and encodes on the one Ray gives it
-    (``cuda``, its only visible device); CPU work asks for none. No device: the driver decides as
-    `prepare` does on one machine (a GPU when it sees one), so no actor picks GPU 0 by itself."""
+    (``cuda``, its only visible device); CPU work asks for none. No device: decided once from the
+    cluster's GPUs, as `prepare` decides on one machine, so no actor picks GPU 0 by itself (the
+    CPU-only cluster of the test above encodes on the CPU)."""
     from tts_lightning.data.ray_prepare import actor_device
 
     assert actor_device("cuda:3") == (1.0, "cuda")
@@ -55,4 +56,3 @@ def test_gpu_encoding_actors_ask_ray_for_a_gpu_each():
     assert actor_device("cpu") == (0.0, "cpu")
     assert actor_device(None, cuda_available=True) == (1.0, "cuda")
     assert actor_device(None, cuda_available=False) == (0.0, "cpu")
-    assert actor_device(None) == (0.0, "cpu")  # this machine has no GPU

@@ -521,8 +521,9 @@ def test_plan_reads_ray_fit_options(tiny_dir, lightning, ray, held, capsys):
 
 
 def test_a_lora_checkpoint_holds_the_trainable_tensors_only():
-    """LoRA checkpoints hold the adapters (fp32) and their AdamW state, never the frozen base: the
-    host memory of a save is theirs alone; the table names the parameters as the base + adapters."""
+    """The planner's host memory for a LoRA save is the adapters (fp32) and their AdamW state: what
+    the checkpoint holds (tests/distributed/test_lora_fsdp.py checks that no frozen tensor is saved),
+    not the frozen base; the table names the parameters as the base + adapters."""
     for layout in ("fsdp1", "fsdp2"):
         lora = plan_memory("1.7b", gpus=1, gpu_memory_gb=16, adapter={"rank": 16, "alpha": 32}, layout=layout)
         assert lora.checkpoint_host == 4 * lora.trainable_parameters + lora.optimizer_states

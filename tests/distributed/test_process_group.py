@@ -104,6 +104,36 @@ def test_host_objects_are_gathered_over_a_cpu_group_beside_nccl(tmp_path):
     assert [g["codes"].tolist() for g in on_rank0] == [[0, 0, 0], [1, 1, 1]]
 
 
+def _reduce_in_step(rank, store, results):
+    """One rank of 2 in a group Lightning keeps: both reduce at the group's world size, then rank 0
+    alone runs a one-device step (world size 1), which must not reduce over the group (a hang)."""
+    from datetime import timedelta
+
+    from tts_lightning.distributed.step_collectives import all_reduce_in_step
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
+    try:
+        both = all_reduce_in_step(torch.tensor([rank + 1.0, 4.0 * rank]), "mean", 2).tolist()
+        alone = all_reduce_in_step(torch.tensor([rank + 1.0]), "sum", 1).tolist() if rank == 0 else None
+        results[rank] = (both, alone)
+    except Exception as exc:  # a timeout: rank 0 waited for a reduction rank 1 never joined
+        results[rank] = f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two forked ranks
+def test_step_reductions_follow_the_trainers_world_size(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_reduce_in_step, args=(str(tmp_path / "store"), results), nprocs=2, start_method="fork")
+        got = dict(results)
+    assert got == {0: ([1.5, 2.0], [1.0]), 1: ([1.5, 2.0], None)}, got
+
+
 def test_ray_gpu_workers_get_the_cpus_of_their_gpu_under_cpu_offload():
     """ray-fit's default CPUs per worker: AdamW steps on the CPU under cpu_offload, so a GPU worker
     asks for its share of the node's CPUs (Ray sets its OMP_NUM_THREADS to that), not one."""

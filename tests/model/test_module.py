@@ -157,7 +157,8 @@ def test_learning_rate_warms_up_then_holds_or_decays_to_zero(tiny_dir, schedule)
 
 def test_warmup_ratio_is_a_fraction_of_the_run(tiny_dir):
     """``warmup_ratio`` warms up over that fraction of the trainer's optimizer steps (rounded up), so a
-    short run reaches its peak; it cannot be given with ``warmup_steps``."""
+    short run reaches its peak; a non-zero ``warmup_steps`` wins (Hugging Face's rule: a config's
+    ratio and a command line's steps); a run of unknown length is refused."""
     import lightning as L
 
     from tts_lightning.errors import ConfigError
@@ -173,6 +174,12 @@ def test_warmup_ratio_is_a_fraction_of_the_run(tiny_dir):
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3])  # 3 = 10% of 30 steps
-    for bad in ({"warmup_ratio": 0.1, "warmup_steps": 5}, {"warmup_ratio": 1.5}):
-        with pytest.raises(ConfigError, match="warmup_ratio"):
-            Qwen3TTSModule(str(tiny_dir), speakers=["alice"], **bad)
+    module.warmup_steps = 1  # as `--model.warmup_steps 1` over a config's ratio
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert scheduler.lr_lambdas[0](1) == pytest.approx(1.0)  # the peak after one step
+    with pytest.raises(ConfigError, match="warmup_ratio"):
+        Qwen3TTSModule(str(tiny_dir), speakers=["alice"], warmup_ratio=1.5)
+    module.warmup_steps = 0
+    module.trainer = L.Trainer(max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ConfigError, match="max_steps or trainer.max_epochs"):
+        module.configure_optimizers()

@@ -1,7 +1,7 @@
 """The `speaker_embeddings` buffer that checkpoints and export carry is complete and identical on
-every rank, even when each rank has seen only some of the speakers. The module syncs it through its
-trainer's strategy (`Strategy.reduce`): DDP here, FSDP in tests/distributed/setup_worker.py, one
-process below."""
+every rank, even when each rank has seen only some of the speakers. The module syncs it with
+all-reduces over the process group at its trainer's world size (`all_reduce_in_step`): DDP here,
+FSDP in tests/distributed/setup_worker.py, one process below."""
 
 import os
 import socket
@@ -66,7 +66,7 @@ def test_every_rank_holds_every_speaker(tiny_dir, tmp_path):
 
 def test_single_process_fills_rows_as_seen(tiny_dir):
     table = torch.randn(2, 64)
-    for trainer in (None, _trainer(1)):  # no trainer; a one-device strategy (its reduce is the identity)
+    for trainer in (None, _trainer(1)):  # no trainer; a one-device run (world size 1: no reduction)
         module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
         if trainer is not None:
             module.trainer = trainer

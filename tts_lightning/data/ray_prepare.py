@@ -58,9 +58,10 @@ def _package_root() -> str:
 def actor_device(device: str | None, *, cuda_available: bool | None = None) -> tuple[float, str]:
     """(GPUs each encoding actor asks Ray for, the device it encodes on) for the prepare device:
     a CUDA device becomes one GPU per actor, which Ray makes the actor's only visible one
-    (``cuda``). None is the prepare default, decided here as on one machine (a GPU when the driver
-    sees one, ``cuda_available``, else the CPU), never by each actor: Ray hides no GPU from an
-    actor that asks for none, so every actor's speech tokenizer landed on GPU 0. The decision is
+    (``cuda``). None is the prepare default, decided here as on one machine (a GPU when there is
+    one, ``cuda_available``: the cluster's GPUs for `encode_with_ray`, else this process's), never
+    by each actor: Ray hides no GPU from an actor that asks for none, so every actor's speech
+    tokenizer landed on GPU 0. The decision is
     rehearsed on CPU (tests/data/test_ray_prepare.py); Ray has not run on a GPU here (the GPU
     check's wheels do not carry it)."""
     if device is None:
@@ -124,7 +125,8 @@ def encode_with_ray(
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         dataset = ray.data.from_items(rows, override_num_blocks=min(len(rows), num_workers * 4))
-        gpus, device = actor_device(None if cache.device is None else str(cache.device))
+        cluster_gpus = ray.cluster_resources().get("GPU", 0) > 0  # not the driver's: it may have none
+        gpus, device = actor_device(None if cache.device is None else str(cache.device), cuda_available=cluster_gpus)
         # GPU actors as the cluster's GPUs allow (a fixed pool would wait for all of them).
         pool = (
             ray.data.ActorPoolStrategy(min_size=1, max_size=num_workers)

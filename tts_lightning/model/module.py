@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -59,7 +60,9 @@ class PredictTools:
 # Lightning suggests sync_dist for epoch values logged without it; the training losses are reduced
 # over ranks already, at every step (`Qwen3TTSModule._shared_step`).
 warnings.filterwarnings(
-    "ignore", message=r"It is recommended to use `self.log\('train/(loss|talker_loss|code_predictor_loss)'"
+    "ignore",
+    message=r"It is recommended to use `self.log\('train/(loss|talker_loss|code_predictor_loss)'",
+    category=PossibleUserWarning,
 )
 
 
@@ -75,9 +78,10 @@ class Qwen3TTSModule(TrainAccuracyLogging):
             similarity; watch ``val/speaker_similarity`` to pick a checkpoint.
         weight_decay: AdamW decoupled weight decay.
         warmup_steps: linear warm-up from 0, in optimizer steps.
-        warmup_ratio: the warm-up as a fraction of the run's optimizer steps instead (as Hugging
-            Face's ``warmup_ratio``; Lightning's ``estimated_stepping_batches``, rounded up): it
-            scales with the data, where a fixed count can outlast a short run. Not both.
+        warmup_ratio: the warm-up as a fraction of the run's optimizer steps (Lightning's
+            ``estimated_stepping_batches``, rounded up), used when ``warmup_steps`` is 0, as Hugging
+            Face's ``warmup_ratio``: it scales with the data, where a fixed count can outlast a
+            short run.
         lr_schedule: ``constant`` after warm-up, or ``cosine`` decay to zero at the last step
             (transformers' ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``).
         sub_talker_loss_weight: weight of the code-predictor loss (0.3 as upstream).
@@ -131,11 +135,8 @@ class Qwen3TTSModule(TrainAccuracyLogging):
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, None)
-        if not 0.0 <= warmup_ratio < 1.0 or (warmup_ratio and warmup_steps):
-            raise ConfigError(
-                f"model.warmup_ratio {warmup_ratio} with warmup_steps {warmup_steps}: give warmup_steps, or "
-                "warmup_ratio in [0, 1) with warmup_steps 0"
-            )
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ConfigError(f"model.warmup_ratio must be in [0, 1) (a fraction of the run), got {warmup_ratio}")
         self.adapter = LoRASettings.coerce(adapter)
         self.save_hyperparameters()  # the settings below (`HParam`) are these entries, typed
         self.freeze_patterns = list(freeze)  # a copy: the default list is shared between instances
@@ -327,10 +328,11 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         if train:
             # The logged step losses are the means over ranks: one all-reduce queued on the device,
             # not `sync_dist`'s barrier and all-reduce per value (a host wait on NCCL). The epoch's
-            # value is the mean of its steps' (batch_size 1), the same on every rank. The progress
+            # value is the mean of its micro-batches' (batch_size 1), the same on every rank. The progress
             # bar shows train/loss from `StepProgressBar` at logging steps: prog_bar=True would make
             # Lightning convert it to a float after every step.
-            means = all_reduce_in_step(torch.stack([v.detach() for v in losses.values()]), "mean")
+            world = self._trainer.world_size if self._trainer is not None else 1
+            means = all_reduce_in_step(torch.stack([v.detach() for v in losses.values()]), "mean", world)
             for name, value in zip(losses, means):
                 self.log(f"train/{name}", value, on_step=True, on_epoch=True, batch_size=1, add_dataloader_idx=False)
             self._log_train_accuracy(out, n)
@@ -379,8 +381,9 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         local[batch.speaker_index.to(device)] = batch.speaker_embedding.to(device=device, dtype=table.dtype)
         if strategy is not None:
             me = self.global_rank + 1
-            owner = all_reduce_in_step((local.abs().sum(1) > 0).long() * me, "max")
-            local = all_reduce_in_step(local * (owner == me)[:, None], "sum")
+            world = self.trainer.world_size
+            owner = all_reduce_in_step((local.abs().sum(1) > 0).long() * me, "max", world)
+            local = all_reduce_in_step(local * (owner == me)[:, None], "sum", world)
         local = local.to(table.device)
         new = (local.abs().sum(1) > 0) & (table.abs().sum(1) == 0)
         table.copy_(torch.where(new[:, None], local, table))
@@ -487,10 +490,17 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
         warmup = self.warmup_steps
+        by_ratio = not warmup and self.warmup_ratio > 0  # warmup_steps wins, as in Hugging Face's Trainer
         total = 0
-        if self.lr_schedule == "cosine" or self.warmup_ratio:
-            total = max(int(self.trainer.estimated_stepping_batches), 1)
-        if self.warmup_ratio:
+        if self.lr_schedule == "cosine" or by_ratio:
+            estimated = self.trainer.estimated_stepping_batches
+            if math.isinf(estimated):
+                raise ConfigError(
+                    "model.lr_schedule cosine and model.warmup_ratio need the run's length: set "
+                    "trainer.max_steps or trainer.max_epochs"
+                )
+            total = max(int(estimated), 1)
+        if by_ratio:
             warmup = math.ceil(self.warmup_ratio * total)
         if self.lr_schedule == "cosine":
             scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total)

@@ -79,9 +79,11 @@ class Unit:
     kind: UnitKind
     params: tuple[tuple[str, int], ...]
     rows: tuple[int, ...] = ()
-    # FSDP2 runs a unit's post-backward when a gradient reaches its forward's inputs, else at the end
-    # of the backward: a group of embeddings (ids in) stays gathered, with its full gradient, from
-    # the first gradient reaching it to the end (the text embedding's row blocks have an anchor).
+    # Gathered, with its full gradient, from the first gradient reaching it to the end of the
+    # backward. FSDP2 runs a unit's post-backward when a gradient reaches its forward's inputs, else
+    # at the end: a group of embeddings (ids in; the text embedding's row blocks have an anchor).
+    # FSDP1 runs it when the unit's gradient is complete: the codec embeddings the code predictor
+    # reads early in the backward and the talker at its end (`_fsdp1_units`).
     held_in_backward: bool = False
 
     @property
