@@ -531,3 +531,35 @@ def test_a_lora_checkpoint_holds_the_trainable_tensors_only():
         assert "parameters (frozen base + adapters)" in lora.table()
     full = plan_memory("1.7b", gpus=4, gpu_memory_gb=16)
     assert full.checkpoint_host == full.parameters + full.optimizer_states
+
+
+def test_the_samples_asr_model_is_planned(tmp_path):
+    """A local Whisper folder as the samples' ``asr``: its fp32 weights are counted on rank 0's GPU while
+    it transcribes, one at a time with the copy and the speech tokenizer; a hub name is said not to
+    be counted; pocketsphinx runs on the CPU."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from tts_lightning.distributed.memory import asr_model_bytes
+
+    config = WhisperConfig(
+        vocab_size=300, num_mel_bins=80, encoder_layers=1, decoder_layers=1, d_model=32,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=1,
+    )  # fmt: skip
+    model = WhisperForConditionalGeneration(config)
+    model.save_pretrained(tmp_path)
+    saved = asr_model_bytes(str(tmp_path))
+    assert saved == 4 * sum(p.numel() for p in model.parameters())  # fp32, tied weights once
+    assert asr_model_bytes("pocketsphinx") == asr_model_bytes(None) == asr_model_bytes("openai/whisper-small") == 0
+
+    settings = dict(gpus=4, gpu_memory_gb=16, samples=True, sample_rows=4, sample_frames=600)
+    plain = plan_memory("1.7b", **settings)
+    big = plan_memory("1.7b", **settings, sample_asr=str(tmp_path))
+    assert big.asr_model == saved and "then the ASR model" in big.table()
+    assert big.samples_total == plain.samples_total  # a tiny Whisper stays below the copy
+    hub = plan_memory("1.7b", **settings, sample_asr="openai/whisper-large-v3")
+    assert any("ASR model openai/whisper-large-v3 is not counted" in n for n in hub.notes)
+    # Read from a config's callback: the asr setting reaches the planner.
+    path = "--trainer.callbacks.init_args.asr"
+    read = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16, overrides=[path, str(tmp_path)])
+    assert read.asr_model == saved

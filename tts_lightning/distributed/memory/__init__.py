@@ -82,6 +82,7 @@ from tts_lightning.distributed.memory.plan import (
     CUDA_OVERHEAD_BYTES,
     GiB,
     MemoryPlan,
+    asr_model_bytes,
     plan_memory,
     speech_tokenizer_bytes,
 )
@@ -133,5 +134,6 @@ __all__ = [
     "plan_from_config",
     "plan_memory",
     "resolve_config",
+    "asr_model_bytes",
     "speech_tokenizer_bytes",
 ]

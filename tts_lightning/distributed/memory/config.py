@@ -142,6 +142,7 @@ def plan_from_config(
         sample_frames=int(_get(sample_args, "max_new_tokens", 240) or 240),
         sample_rows=len(texts) * max(1, len(speakers)),
         samples_at_start=bool(_get(sample_args, "baseline", True)) or _get(sample_args, "held_out") is not None,
+        sample_asr=_get(sample_args, "asr"),
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
         layout=strategy.layout,
         groups=strategy.groups,

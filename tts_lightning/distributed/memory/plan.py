@@ -30,6 +30,7 @@ __all__ = [
     "MemoryPlan",
     "PlanSettings",
     "plan_memory",
+    "asr_model_bytes",
     "speech_tokenizer_bytes",
 ]
 
@@ -71,6 +72,7 @@ class MemoryPlan:
     samples_model: int = 0  # rank 0: the generation copy of the model, compute dtype
     samples_cache: int = 0  # rank 0: the talker's KV cache for all sampled rows
     speech_tokenizer: int = 0  # rank 0: the speech tokenizer on the GPU while it decodes (fp32)
+    asr_model: int = 0  # rank 0: the samples' Whisper model on the GPU while it transcribes (fp32)
     samples_total: int = 0  # rank 0 at the sampling peak (training activations are gone then)
     samples_at_start: bool = False  # the samples' baseline / held-out round at fit start counts in `startup`
     adapter: dict | None = None  # LoRA settings (`tts_lightning.model.lora.LoRASettings`), if any
@@ -135,7 +137,8 @@ class MemoryPlan:
             lines += [
                 "  samples (SpeakerSamplesCallback, rank 0, after validation):",
                 f"    states + generation copy {g(self.samples_model)} + KV cache {g(self.samples_cache)}"
-                f" + CUDA, then the speech tokenizer {g(self.speech_tokenizer)} instead of the copy",
+                f" + CUDA, then the speech tokenizer {g(self.speech_tokenizer)} instead of the copy"
+                + (f", then the ASR model {g(self.asr_model).strip()}" if self.asr_model else ""),
                 f"    total at the sampling peak                     {g(self.samples_total)}",
             ]
         lines.append(
@@ -165,7 +168,8 @@ def plan_memory(model: str | os.PathLike | Mapping[str, Any], *, advise: bool = 
     ``settings``: `PlanSettings`' fields. ``advise``: when it does not fit, say what would."""
     checked = PlanSettings(**settings)
     name, config = resolve_config(model)
-    plan = _plan(name, config, checked, tokenizer=speech_tokenizer_bytes(model) if checked.samples else 0)
+    tokenizer = speech_tokenizer_bytes(model) if checked.samples else 0
+    plan = _plan(name, config, checked, tokenizer=tokenizer, asr=asr_model_bytes(checked.sample_asr))
     plan.planned = (model, checked)
     if advise and not plan.fits:
         plan.advice = _advise(config, plan, checked)
@@ -188,7 +192,7 @@ class _States:
     step_piece: int = 0  # values of the largest trained local piece (torchao's step copies it in fp32)
 
 
-def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) -> MemoryPlan:
+def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int, asr: int = 0) -> MemoryPlan:
     from tts_lightning.model.lora import LoRASettings
 
     adapter = LoRASettings.coerce(settings.adapter)
@@ -220,9 +224,13 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         samples_model, samples_cache = _sampling(shape, settings)
         if not tokenizer:
             notes.append("the speech tokenizer is not counted (plan a local pretrained directory to count it)")
+        if settings.sample_asr not in (None, "pocketsphinx") and not asr:
+            asr_name = settings.sample_asr
+            notes.append(f"the samples' ASR model {asr_name} is not counted (give a local folder to count it)")
         # The samples run in validation, which Lightning starts by releasing the gradients.
         at_validation = persistent - (0 if settings.validation_holds_gradients else states.gradients)
-        samples_total = at_validation + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
+        # One at a time on the GPU: the copy with its KV cache, then the speech tokenizer, then the ASR model.
+        samples_total = at_validation + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer, asr)
         if effective == "NO_SHARD" and not settings.fsdp2 and not settings.cpu_offload:
             notes.append("samples: rank 0 copies the parameters it holds on the GPU (NO_SHARD): no host copy")
         else:
@@ -239,7 +247,7 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
     if settings.samples and settings.samples_at_start:
         # The baseline round runs once the model is sharded (its build transient freed) and before
         # the first step (no gradients or optimizer state yet); a resumed run skips it.
-        baseline_round = states.parameters + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer)
+        baseline_round = states.parameters + CUDA_OVERHEAD_BYTES + max(samples_model + samples_cache, tokenizer, asr)
         startup = max(startup, baseline_round)
     gpu_memory = int(settings.gpu_memory_gb * GiB)
     largest = step["largest"]
@@ -275,6 +283,7 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int) ->
         samples_model=samples_model,
         samples_cache=samples_cache,
         speech_tokenizer=tokenizer,
+        asr_model=asr,
         samples_total=samples_total,
         samples_at_start=settings.samples and settings.samples_at_start,
         adapter=None if adapter is None else adapter.to_dict(),
@@ -464,6 +473,22 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
     read_into = states.parameters + states.optimizer + (states.gradients if zero_step else 0)
     resume = max(startup, read_into + CUDA_OVERHEAD_BYTES)
     return startup, save, host, resume
+
+
+def asr_model_bytes(asr: str | None) -> int:
+    """fp32 bytes of the samples' Whisper model when ``asr`` is a local folder (`WhisperRecognizer`
+    loads it in fp32), read from its safetensors headers; 0 for none, pocketsphinx (CPU) or a hub
+    name (not read here: the plan says it is not counted)."""
+    folder = Path(asr).expanduser() if asr and asr != "pocketsphinx" else None
+    if folder is None or not folder.is_dir():
+        return 0
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            total += 4 * sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
 
 
 def speech_tokenizer_bytes(model: str | os.PathLike | Mapping[str, Any]) -> int:

@@ -31,6 +31,8 @@ class PlanSettings:
             the model is a local directory) while it decodes.
         samples_at_start: with ``samples``, the callback also samples once at the start of a run
             from step 0 (its ``baseline`` or ``held_out`` round), before any optimizer state exists.
+        sample_asr: the callback's ``asr``: a local Whisper folder is counted on the GPU while it
+            transcribes, after the speech tokenizer.
         adapter: LoRA settings (`tts_lightning.model.lora.LoRASettings` or its dict) as
             `Qwen3TTSModule`'s ``adapter``: only the adapters and ``adapter.trainable`` train.
         layout: ``"fsdp1"`` (`Qwen3TTSFSDPStrategy`, flat parameters per unit) or ``"fsdp2"``
@@ -65,6 +67,7 @@ class PlanSettings:
     sample_rows: int = 4
     sample_frames: int = 600
     samples_at_start: bool = True
+    sample_asr: str | None = None
     adapter: Any = None
     layout: Literal["fsdp1", "fsdp2"] = "fsdp1"
     groups: Sequence[Sequence[str]] | None = None
