@@ -130,22 +130,28 @@ def test_settings_are_the_hparams(tiny_dir):
     assert Qwen3TTSModule(str(tiny_dir), speakers=["alice"]).freeze_patterns == ["speaker_encoder"]
 
 
+def _learning_rates(module: Qwen3TTSModule, max_steps: int, steps: int) -> tuple[list[float], torch.optim.Optimizer]:
+    """The learning rate at each of the first ``steps`` optimizer steps of a ``max_steps`` run."""
+    import lightning as L
+
+    module.trainer = L.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates, optimizer
+
+
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_learning_rate_warms_up_then_holds_or_decays_to_zero(tiny_dir, schedule):
     """Linear warm-up from 0 over `warmup_steps` optimizer steps, then the peak (constant) or a cosine
     that reaches 0 at the trainer's last step."""
-    import lightning as L
-
     module = Qwen3TTSModule(str(tiny_dir), speakers=["alice"], learning_rate=1e-3, warmup_steps=4, lr_schedule=schedule)
     module.configure_model()
-    module.trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    rates = []
-    for _ in range(20):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    rates, optimizer = _learning_rates(module, max_steps=20, steps=20)
     assert rates[:5] == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3])
     if schedule == "constant":
         assert rates[4:] == pytest.approx([1e-3] * 16)
@@ -165,14 +171,7 @@ def test_warmup_ratio_is_a_fraction_of_the_run(tiny_dir):
 
     module = Qwen3TTSModule(str(tiny_dir), speakers=["alice"], learning_rate=1e-3, warmup_ratio=0.1)
     module.configure_model()
-    module.trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    config = module.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    rates = []
-    for _ in range(6):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    rates, _ = _learning_rates(module, max_steps=30, steps=6)
     assert rates == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3])  # 3 = 10% of 30 steps
     module.warmup_steps = 1  # as `--model.warmup_steps 1` over a config's ratio
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
