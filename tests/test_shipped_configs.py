@@ -95,13 +95,14 @@ def _micro_batches(checkpoint: Path) -> int:
     return loops["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"]
 
 
-def _event_tags(run: Path) -> dict[str, list[str]]:
-    """The tags of the run's first TensorBoard event file, by kind (scalars, audio, images)."""
+def _event_tags(run: Path, which: int = 0) -> dict[str, list[str]]:
+    """The tags of the run's first (``which``: -1, the last) TensorBoard event file, by kind
+    (scalars, audio, images)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = sorted(run.rglob("events.out.tfevents.*"))
     assert events, f"no TensorBoard event file under {run}"
-    acc = EventAccumulator(str(events[0].parent))
+    acc = EventAccumulator(str(events[which].parent))
     acc.Reload()
     return acc.Tags()
 
@@ -155,6 +156,9 @@ def rehearse(config: Path, workdir: Path, tiny_dir: Path, run_cli) -> None:
     resumed = run_cli("fit", *common, "--trainer.max_steps", STEPS + 1, "--ckpt_path", "last", cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
     assert _steps_of(last) == STEPS + 1
+    if _has_samples(config):  # the resumed run keeps its checkpoint's baseline: no second round
+        tags = _event_tags(run, which=-1)
+        assert not [t for t in tags["audio"] + tags["scalars"] if t.startswith("baseline")], tags
 
     validated = run_cli("validate", *common, "--ckpt_path", last, cwd=workdir)
     assert re.search(r"val/loss\s*│\s*\d+\.\d+", validated.stdout), validated.stdout[-3000:]

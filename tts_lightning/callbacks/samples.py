@@ -214,13 +214,14 @@ class SpeakerSamplesCallback(Callback):
                 "or monitor the loss (checkpoint.monitor: val/loss, checkpoint.mode: min)"
             )
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The zero-shot baseline, once, with the base weights. A resumed run keeps the one its
-        checkpoint saved. Strategies that restore before setup have already loaded the trained weights
-        here (``trainer.ckpt_path`` is set): no baseline then. FSDP restores after this hook, so the
-        weights here are still the base model's and the baseline is right (the saved one, when there
-        is one, replaces it on restore)."""
-        if not (self.baseline or self.held_out) or self.baseline_values is not None or trainer.ckpt_path is not None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The zero-shot baseline, once, with the base weights: a run from step 0 samples here, before
+        its first step. A resumed run keeps the one its checkpoint saved and samples nothing: by this
+        hook every strategy has restored the checkpoint (``trainer.ckpt_path`` is set). Under FSDP,
+        which restores after ``on_fit_start``, a baseline there ran again at every resume (the
+        path is only set when the restore starts)."""
+        resumed = trainer.ckpt_path is not None or trainer.global_step > 0
+        if not (self.baseline or self.held_out) or self.baseline_values is not None or resumed:
             return
         loggers = tensorboard_loggers(trainer, self._warn_once)
         scoring = self.similarity and self._similarity_available()
