@@ -77,19 +77,24 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
 
 
 @contextlib.contextmanager
-def speech_tokenizer_on(tokenizer, device: torch.device) -> Iterator[None]:
-    """Keep the speech tokenizer in host memory except while it decodes on ``device``."""
+def on_device(holder, device: torch.device | str) -> Iterator[None]:
+    """Keep a model held in host memory except while it works on ``device``: ``holder`` has the
+    ``model`` and the ``device`` its inputs follow (the speech tokenizer while it decodes, the
+    samples' Whisper recognizer while it transcribes). Kept on rank 0's GPU they would hold its
+    memory through training."""
+    device = torch.device(device)
     if device.type == "cpu":
         yield
         return
-    tokenizer.model.to(device)
-    tokenizer.device = device
+    holder.model.to(device)
+    holder.device = device
     try:
         yield
     finally:
-        tokenizer.model.to("cpu")
-        tokenizer.device = torch.device("cpu")
-        torch.cuda.empty_cache()
+        holder.model.to("cpu")
+        holder.device = torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def cuda_devices(device: torch.device) -> list[int]:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tts_lightning.callbacks.figures import log_samples
-from tts_lightning.callbacks.generation_copy import speech_tokenizer_on
+from tts_lightning.callbacks.generation_copy import on_device
 from tts_lightning.errors import ConfigError
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
 
@@ -69,7 +69,7 @@ class HeldOutVoices:
             prompts = {}
             for plan in self.plans:
                 wave = load_audio(plan.reference, SAMPLE_RATE).reshape(-1)
-                with speech_tokenizer_on(speech_tokenizer, pl_module.device):
+                with on_device(speech_tokenizer, pl_module.device):
                     codes = speech_tokenizer.encode(wave.numpy(), sr=SAMPLE_RATE).audio_codes[0]
                 ids = reference_prompt_ids(text_tokenizer, plan.reference_text)
                 prompts[plan.name] = (encoder.embed(wave), ids, codes.detach().to("cpu", torch.long))
@@ -110,7 +110,7 @@ class HeldOutVoices:
         ``texts``, ``scoring``, ``before`` and ``real_logged`` (the speakers whose real clip
         TensorBoard has, updated here)."""
         rows, codes, prefixes = generated
-        with speech_tokenizer_on(speech_tokenizer, device):
+        with on_device(speech_tokenizer, device):
             wavs = decode_codes(speech_tokenizer, codes, prefixes)
         scores = self._score(rows, wavs) if shown["scoring"] else {}
         real_logged: set[str] = shown["real_logged"]

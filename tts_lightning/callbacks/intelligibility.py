@@ -5,13 +5,12 @@ against its text by jiwer. Rank 0 alone transcribes, like it alone generates and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from tts_lightning.callbacks.generation_copy import on_device
 from tts_lightning.errors import ConfigError
 from tts_lightning.metrics.speaker_similarity import INSTALL_HINT  # the eval extra: asr too
 
@@ -57,30 +56,11 @@ class SampleIntelligibility:
             self._recognizer = make_recognizer(self.asr, device="cpu")  # kept in host memory between rounds
         recognizer = self._recognizer
         transcripts, rates = [], []
-        with on_device(recognizer, device):
+        # Whisper on rank 0's GPU only while it transcribes (pocketsphinx has no model to move).
+        with on_device(recognizer, device) if hasattr(recognizer, "model") else contextlib.nullcontext():
             for text, wav in zip(texts, wavs, strict=True):
                 audible = wav.size > 0 and float(np.abs(wav).max()) > 0
                 transcripts.append(recognizer.transcribe(wav, sample_rate) if audible else "")
                 rates.append(error_rates(text, transcripts[-1]))
         means = {key: float(np.mean([r[key] for r in rates])) for key in ("cer", "wer")}
         return means, transcripts
-
-
-@contextlib.contextmanager
-def on_device(recognizer: Recognizer, device: str) -> Iterator[None]:
-    """A Whisper recognizer's model on ``device`` (rank 0's GPU) only while it transcribes, as the
-    speech tokenizer (`generation_copy.speech_tokenizer_on`): kept there, it would hold rank 0's GPU
-    memory through training (~1 GB for whisper-small in fp32). Not run on a GPU here."""
-    model = getattr(recognizer, "model", None)
-    if model is None or torch.device(device).type == "cpu":
-        yield
-        return
-    model.to(device)
-    recognizer.device = device  # type: ignore[attr-defined]  # WhisperRecognizer's inputs follow it
-    try:
-        yield
-    finally:
-        model.to("cpu")
-        recognizer.device = "cpu"  # type: ignore[attr-defined]
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()

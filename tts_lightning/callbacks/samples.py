@@ -51,7 +51,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from tts_lightning.callbacks.figures import log_samples, tensorboard_loggers
-from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, speech_tokenizer_on
+from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, on_device
 from tts_lightning.callbacks.held_out import BEFORE as HELD_OUT_BEFORE
 from tts_lightning.callbacks.held_out import HeldOutVoices
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
@@ -412,7 +412,7 @@ class SpeakerSamplesCallback(Callback):
     def _log_and_score_own(self, trainer, pl_module, generated: tuple, loggers: list, scoring: bool, baseline: bool):
         rows, codes, failures, prefixes = generated
         speech_tokenizer = self._speech_tokenizer(pl_module)
-        with speech_tokenizer_on(speech_tokenizer, pl_module.device):
+        with on_device(speech_tokenizer, pl_module.device):
             wavs = decode_codes(speech_tokenizer, codes, prefixes)
         step = int(trainer.global_step)
         names = ("baseline_samples", "baseline_spectrograms") if baseline else ("samples", "spectrograms")
@@ -457,7 +457,7 @@ class SpeakerSamplesCallback(Callback):
         return self._text
 
     def _speech_tokenizer(self, pl_module: pl.LightningModule):
-        """Loaded once, in host memory (`speech_tokenizer_on` moves it to the GPU to decode)."""
+        """Loaded once, in host memory (`on_device` moves it to the GPU to decode)."""
         if self._speech is None:
             from tts_lightning.model.pretrained import check_pretrained, load_speech_tokenizer
 

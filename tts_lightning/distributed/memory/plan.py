@@ -143,7 +143,7 @@ class MemoryPlan:
             ]
         lines.append(
             f"  other phases: start {g(self.startup).strip()}"
-            + (" (with the samples' first round)" if self.samples and self.samples_at_start else "")
+            + (" (with the samples' first round)" if self.samples_at_start else "")
             + f", checkpoint save {g(self.checkpoint_save).strip()} "
             f"(+ {self.checkpoint_host / GiB:.2f} GiB host per process), resume {g(self.resume).strip()}"
         )
@@ -168,8 +168,8 @@ def plan_memory(model: str | os.PathLike | Mapping[str, Any], *, advise: bool = 
     ``settings``: `PlanSettings`' fields. ``advise``: when it does not fit, say what would."""
     checked = PlanSettings(**settings)
     name, config = resolve_config(model)
-    tokenizer = speech_tokenizer_bytes(model) if checked.samples else 0
-    plan = _plan(name, config, checked, tokenizer=tokenizer, asr=asr_model_bytes(checked.sample_asr))
+    tokenizer, asr = (speech_tokenizer_bytes(model), asr_model_bytes(checked.sample_asr)) if checked.samples else (0, 0)
+    plan = _plan(name, config, checked, tokenizer=tokenizer, asr=asr)
     plan.planned = (model, checked)
     if advise and not plan.fits:
         plan.advice = _advise(config, plan, checked)
