@@ -520,6 +520,17 @@ def test_plan_reads_ray_fit_options(tiny_dir, lightning, ray, held, capsys):
     assert f"checkpoint save {plan.checkpoint_save / 2**30:.2f}" in out
 
 
+def test_planning_a_ray_fit_on_cpu_workers_is_refused(tiny_dir, capsys):
+    """`ray-fit` without ``--ray.use_gpu`` trains on CPU workers: there are no GPUs to plan."""
+    config = str(REPO / "configs" / "tiny-cpu.yaml")
+    with pytest.raises(SystemExit) as exit_:
+        plan_command(
+            ["--config", config, "--gpu-memory", "16", "--data.pretrained", str(tiny_dir), "--ray.num_workers", "4"]
+        )
+    assert exit_.value.code == 2
+    assert "ray-fit without --ray.use_gpu trains on CPU workers; add --ray.use_gpu" in capsys.readouterr().err
+
+
 def test_a_lora_checkpoint_holds_the_trainable_tensors_only():
     """The planner's host memory for a LoRA save is the adapters (fp32) and their AdamW state: what
     the checkpoint holds (tests/distributed/test_lora_fsdp.py checks that no frozen tensor is saved),

@@ -298,3 +298,18 @@ def test_unknown_ray_option_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         ray_cli.ray_fit_command(["--config", str(CONFIG), "--ray.num_wrkers", "2"])
     assert exit_.value.code == 2 and "--ray.num_wrkers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (['{"GPU": 1}'], 'asks for "GPU" without --ray.use_gpu: add --ray.use_gpu'),
+        # NCCL refuses two ranks on one GPU; Lightning's Ray environment gives a worker one device.
+        (['{"GPU": 0.5}', "--ray.use_gpu"], '"GPU": 0.5: each worker trains on exactly one GPU'),
+        (['{"CPU": 4, "GPU": 2}', "--ray.use_gpu"], '"GPU": 2: each worker trains on exactly one GPU'),
+    ],
+)
+def test_gpu_resources_other_than_one_per_gpu_worker_are_refused_before_anything_runs(capsys, options, needle):
+    with pytest.raises(SystemExit) as exit_:
+        ray_cli.ray_fit_command(["--config", "no-such.yaml", "--ray.resources_per_worker", *options])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err

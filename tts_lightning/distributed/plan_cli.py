@@ -141,9 +141,17 @@ def _ray_options(overrides: list[str]) -> tuple[argparse.Namespace | None, list[
         return None, overrides
     from tts_lightning.distributed.ray_cli import build_parser
 
+    from tts_lightning.distributed.ray_cli import options_problem
+
     parser = build_parser()
     parser.prog = "tts-lightning plan"
-    return parser.parse_known_args(overrides)
+    options, rest = parser.parse_known_args(overrides)
+    problem = options_problem(options)
+    if problem is None and not options.use_gpu:
+        problem = "ray-fit without --ray.use_gpu trains on CPU workers; add --ray.use_gpu to plan its GPUs"
+    if problem is not None:
+        parser.error(problem)
+    return options, rest
 
 
 def options_summary(plan) -> str:

@@ -117,6 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def options_problem(options: argparse.Namespace) -> str | None:
+    """What is wrong with parsed ``--ray.*`` options, in one line, or None. Checked before the driver
+    prepares anything (Ray's own checks of the resources come only when its trainer is built)."""
+    if options.num_workers < 1:
+        return "--ray.num_workers must be >= 1"
+    if options.checkpoint_every_n_steps < 0:
+        return "--ray.checkpoint_every_n_steps must be >= 0"
+    gpus = (options.resources_per_worker or {}).get("GPU")
+    if gpus is not None and not options.use_gpu:
+        return '--ray.resources_per_worker asks for "GPU" without --ray.use_gpu: add --ray.use_gpu, or drop "GPU"'
+    if gpus is not None and gpus != 1:
+        # A fraction puts two ranks on one GPU, which NCCL refuses; more than one leaves the rest idle
+        # (Lightning's Ray environment gives each worker one device).
+        return f'--ray.resources_per_worker "GPU": {gpus:g}: each worker trains on exactly one GPU; use "GPU": 1'
+    return None
+
+
 def _json_resources(text: str) -> dict[str, float]:
     try:
         value = json.loads(text)
@@ -145,10 +162,9 @@ def ray_fit_command(argv: list[str]) -> int:
     stray = [a for a in lightning_args if a.startswith("--ray.") or a.startswith("--ray=")]
     if stray:
         parser.error(f"unknown Ray option(s): {' '.join(stray)}")
-    if options.num_workers < 1:
-        parser.error("--ray.num_workers must be >= 1")
-    if options.checkpoint_every_n_steps < 0:
-        parser.error("--ray.checkpoint_every_n_steps must be >= 0")
+    problem = options_problem(options)
+    if problem is not None:
+        parser.error(problem)
     problem = ray_missing()
     if problem is not None:
         from tts_lightning.errors import UserError
