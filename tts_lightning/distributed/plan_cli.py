@@ -139,9 +139,7 @@ def _ray_options(overrides: list[str]) -> tuple[argparse.Namespace | None, list[
     there are none), and the overrides left for LightningCLI."""
     if not any(o.startswith("--ray.") for o in overrides):
         return None, overrides
-    from tts_lightning.distributed.ray_cli import build_parser
-
-    from tts_lightning.distributed.ray_cli import options_problem
+    from tts_lightning.distributed.ray_cli import build_parser, options_problem
 
     parser = build_parser()
     parser.prog = "tts-lightning plan"
