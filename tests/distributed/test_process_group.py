@@ -73,35 +73,44 @@ def test_offloaded_gradient_clipping_needs_a_cpu_backend_beside_nccl():
 
 def _gather_host_objects(rank, backend, store, results):
     """One rank of 2: its optimizer state (a host object) gathered on rank 0 as a full checkpoint
-    gathers the quantized optimizers' per-rank state."""
-    from tts_lightning.distributed.rank_local_state import gather_on_rank0
+    gathers the quantized optimizers' per-rank state; then again in a default group made after the
+    first was destroyed (a fit after another in the same processes), which needs its own gloo group."""
+    from tts_lightning.distributed import rank_local_state
 
     torch.set_num_threads(1)
-    dist.init_process_group(backend, store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
+    gathered = []
+    for attempt in range(2):
+        dist.init_process_group(backend, store=dist.FileStore(f"{store}{attempt}", 2), rank=rank, world_size=2)
         try:
-            results[rank] = gather_on_rank0({"rank": rank, "codes": torch.full((3,), rank)}, rank, 2)
+            group = rank_local_state.host_group()  # made at setup (`prepare_full_saves`), then reused
+            value = {"rank": rank, "codes": torch.full((3,), rank + attempt)}
+            result = rank_local_state.gather_on_rank0(value, rank, 2)
+            assert group is not None and rank_local_state.host_group() is group
+            assert len(rank_local_state._HOST_GROUPS) == 1, "a destroyed default group's gloo group was kept"
+            gathered.append(result)
         except Exception as exc:  # reported to the test, which says what failed
-            results[rank] = f"{type(exc).__name__}: {exc}"
-    finally:
-        dist.destroy_process_group()
+            gathered.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            dist.destroy_process_group()
+    results[rank] = gathered
 
 
 @pytest.mark.slow  # two forked ranks
 def test_host_objects_are_gathered_over_a_cpu_group_beside_nccl(tmp_path):
     """`rank_local_state.gather_on_rank0` under NCCL alone (its stand-in: gloo registered for the CUDA
     device type only, where torch's object collectives stage the objects on the GPU: "Found no
-    NVIDIA driver" here before): a gloo group gathers them in host memory."""
+    NVIDIA driver" here before): a gloo group gathers them in host memory, one per default group."""
     with mp.Manager() as manager:
         results = manager.dict()
         backend = stand_in(choose_backend(CUDA, cpu_offload=False))
         store = str(tmp_path / "store")
         mp.start_processes(_gather_host_objects, args=(backend, store, results), nprocs=2, start_method="fork")
         on_rank0, elsewhere = results[0], results[1]
-    assert elsewhere is None, elsewhere
-    assert isinstance(on_rank0, list), on_rank0
-    assert [g["rank"] for g in on_rank0] == [0, 1], on_rank0
-    assert [g["codes"].tolist() for g in on_rank0] == [[0, 0, 0], [1, 1, 1]]
+    assert elsewhere == [None, None], elsewhere
+    for attempt, gathered in enumerate(on_rank0):
+        assert isinstance(gathered, list), gathered
+        assert [g["rank"] for g in gathered] == [0, 1], gathered
+        assert [g["codes"].tolist() for g in gathered] == [[attempt] * 3, [1 + attempt] * 3]
 
 
 def _reduce_in_step(rank, store, results):

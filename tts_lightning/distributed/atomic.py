@@ -42,6 +42,12 @@ class AtomicCheckpoints(ParallelStrategy):
     def _writes_sharded(self) -> bool:
         return False
 
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        from tts_lightning.distributed.rank_local_state import prepare_full_saves
+
+        prepare_full_saves(self)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write beside the destination, then rename, so an interrupted save never leaves a
         half-written checkpoint where `--ckpt_path last` would find it. Each node's local rank 0

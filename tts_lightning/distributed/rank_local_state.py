@@ -25,6 +25,7 @@ only them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -142,27 +143,42 @@ def gather_full(optimizer: torch.optim.Optimizer, rank: int, world_size: int) ->
     return {RANK_LOCAL: {f"rank{r}": s for r, s in enumerate(gathered)}}
 
 
-_HOST_GROUPS: dict[int, Any] = {}
+# Keyed by the default group itself (weakly): a re-initialised default group gets its own.
+_HOST_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def host_group() -> Any:
+    """A process group over all ranks that serves tensors in host memory: None when the default one
+    does (gloo; ``cpu_offload``'s "cpu:gloo,cuda:nccl"), else a gloo group over the same ranks, made
+    once per default group (every rank calls this together)."""
+    dist = torch.distributed
+    backend = str(dist.get_backend())
+    if backend == "gloo" or "cpu:" in backend:
+        return None
+    world = dist.group.WORLD
+    if world not in _HOST_GROUPS:
+        _HOST_GROUPS[world] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[world]
 
 
 def gather_on_rank0(value: Any, rank: int, world_size: int) -> list[Any] | None:
-    """Every rank's ``value`` (a host object) on global rank 0 (None elsewhere), over a group that
-    serves CPU tensors: the default one when it does (gloo; ``cpu_offload``'s "cpu:gloo,cuda:nccl"),
-    else a gloo group over the same ranks, made once (every rank calls this together). Over NCCL
-    alone, ``gather_object`` stages each rank's pickled value on its GPU and rank 0 receives all of
-    them there: about the whole 8-bit optimizer state at every full save. Rehearsed on CPU with a
-    process group whose only backend serves the GPU (tests/distributed/test_process_group.py)."""
-    dist = torch.distributed
-    backend = str(dist.get_backend())
-    group = None
-    if backend != "gloo" and "cpu:" not in backend:
-        key = id(dist.group.WORLD)
-        if key not in _HOST_GROUPS:
-            _HOST_GROUPS[key] = dist.new_group(backend="gloo")
-        group = _HOST_GROUPS[key]
+    """Every rank's ``value`` (a host object) on global rank 0 (None elsewhere), over `host_group`
+    (every rank calls this together). Over NCCL alone, ``gather_object`` stages each rank's pickled
+    value on its GPU and rank 0 receives all of them there: about the whole 8-bit optimizer state
+    at every full save. Rehearsed on CPU with a process group whose only backend serves the GPU
+    (tests/distributed/test_process_group.py)."""
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(value, gathered, dst=0, group=group)
+    torch.distributed.gather_object(value, gathered, dst=0, group=host_group())
     return gathered
+
+
+def prepare_full_saves(strategy: Any) -> None:
+    """At setup: a run that will gather its quantized optimizer state for one-file checkpoints makes
+    the group it gathers over now, so that a cluster where gloo cannot connect (NCCL runs across
+    nodes) fails at the start, not at the first save. Not run with NCCL here: `host_group`'s
+    decision is rehearsed in tests/distributed/test_process_group.py."""
+    if strategy.world_size > 1 and not strategy._writes_sharded() and rank_local(strategy):
+        host_group()
 
 
 def _to_cpu(tree: Any) -> Any:
