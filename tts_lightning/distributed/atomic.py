@@ -42,12 +42,6 @@ class AtomicCheckpoints(ParallelStrategy):
     def _writes_sharded(self) -> bool:
         return False
 
-    def setup(self, trainer) -> None:
-        super().setup(trainer)
-        from tts_lightning.distributed.rank_local_state import prepare_full_saves
-
-        prepare_full_saves(self)
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write beside the destination, then rename, so an interrupted save never leaves a
         half-written checkpoint where `--ckpt_path last` would find it. Each node's local rank 0
@@ -137,8 +131,11 @@ class AtomicCheckpoints(ParallelStrategy):
         return self._node_of_rank
 
     def setup(self, trainer) -> None:
+        from tts_lightning.distributed.rank_local_state import prepare_full_saves
+
         self._check_full_checkpoint_storage(trainer)
         super().setup(trainer)
+        prepare_full_saves(self)  # after the optimizers exist
 
     def _check_full_checkpoint_storage(self, trainer) -> None:
         """A full checkpoint is one file that global rank 0 writes: a run of several nodes can resume
