@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tts_lightning.__main__ import TOOLS, main
+from tts_lightning.data.demo import demo_dir
 
 
 def test_router_names_every_model_command(capsys):
@@ -99,3 +100,48 @@ def test_synthesize_speaks_on_the_cpu(tiny_custom_voice_dir, tmp_path, monkeypat
     assert info.samplerate == 24_000 and info.frames > 0
     assert capsys.readouterr().out.startswith(f"{out}  ")
     assert [p.name for p in tmp_path.iterdir()] == ["hello.wav"]  # no temporary file left
+
+
+@pytest.mark.parametrize("kind", ["custom_voice", "base"])
+def test_synthesize_speaks_a_few_texts_at_a_time_in_the_chosen_dtype(
+    kind, tiny_custom_voice_dir, tiny_dir, tmp_path, monkeypatch
+):
+    """qwen_tts pads a batch to its longest row and decodes it at once: 5 texts at --batch-size 2 are
+    3 calls of 2, 2 and 1, with one voice-clone prompt for all of them; --dtype bf16 loads the model
+    (and its speech tokenizer) in bf16 (the GPU default: `default_dtype`)."""
+    import soundfile as sf
+    from qwen_tts import Qwen3TTSModel
+
+    from tts_lightning.model.synthesis import default_dtype
+
+    assert (default_dtype("cuda"), default_dtype("cuda:1"), default_dtype("cpu")) == ("bf16", "bf16", "fp32")
+    speak = "generate_custom_voice" if kind == "custom_voice" else "generate_voice_clone"
+    calls, prompts = [], []
+    original, make_prompt = getattr(Qwen3TTSModel, speak), Qwen3TTSModel.create_voice_clone_prompt
+
+    def recording(self, **kwargs):
+        calls.append((len(kwargs["text"]), self.model.dtype, self.model.speech_tokenizer.model.dtype))
+        return original(self, **kwargs)
+
+    def recording_prompt(self, **kwargs):
+        prompts.append(kwargs)
+        return make_prompt(self, **kwargs)
+
+    monkeypatch.setattr(Qwen3TTSModel, speak, recording)
+    monkeypatch.setattr(Qwen3TTSModel, "create_voice_clone_prompt", recording_prompt)
+    if kind == "custom_voice":
+        args = ["--model", str(tiny_custom_voice_dir), "--speaker", "ryan"]
+    else:
+        clip = demo_dir() / "clips" / "alice" / "alice_001.flac"
+        args = ["--model", str(tiny_dir), "--ref-audio", str(clip)]
+    args += [arg for i in range(5) for arg in ("--text", f"Text {i}.")]
+    out = tmp_path / "said"
+    common = ["synthesize", *args, "--max-new-tokens", "4", "--device", "cpu", "--out", str(out)]
+    assert main([*common, "--batch-size", "2", "--dtype", "bf16"]) == 0
+    assert calls == [(n, torch.bfloat16, torch.bfloat16) for n in (2, 2, 1)]
+    assert len(prompts) == (0 if kind == "custom_voice" else 1)
+    assert sorted(p.name for p in out.iterdir()) == [f"{i:03d}.wav" for i in range(5)]
+    assert all(sf.info(str(p)).frames > 0 for p in out.iterdir())
+    calls.clear()
+    assert main(common) == 0  # the defaults: 4 texts at a time, fp32 on the CPU
+    assert [(n, dtype) for n, dtype, _ in calls] == [(4, torch.float32), (1, torch.float32)]

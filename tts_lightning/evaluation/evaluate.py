@@ -45,8 +45,10 @@ from tts_lightning.evaluation.inputs import (
     resolve_base,
     resolve_model,
 )
-from tts_lightning.evaluation.speak import free_memory, generate_system, load_model, score_speaker
+from tts_lightning.evaluation.speak import free_memory, generate_system, score_speaker
 from tts_lightning.metrics.speech import DEFAULT_LIMIT_FACTOR
+from tts_lightning.model.export import DTYPES
+from tts_lightning.model.synthesis import default_dtype, load_tts
 
 SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
 
@@ -76,8 +78,8 @@ def evaluate(
     cloned zero-shot before and after fine-tuning (`tts_lightning.evaluation.zero_shot`)."""
     _check_settings(num_samples=num_samples, max_texts=max_texts, alpha=alpha)
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    resolved: Dtype = dtype or default_dtype(device)
+    torch_dtype = DTYPES[resolved]
     index_file, index = read_prepared(prepared)
     held_plans, cloned = None, None
     if held_out is not None:  # read before any model loads: a bad file fails at once
@@ -88,7 +90,7 @@ def evaluate(
     workdir = _make_workdir(out)
     try:
         model_dir, model_kind, named_base = resolve_model(
-            model, workdir, base=base, dtype=dtype, trust_checkpoint=trust_checkpoint
+            model, workdir, base=base, dtype=resolved, trust_checkpoint=trust_checkpoint
         )
         base_dir = resolve_base(base if base is not None else named_base)
         if held_plans is not None:
@@ -123,7 +125,7 @@ def evaluate(
             "seed": seed,
             "limit_factor": limit_factor,
             "device": device,
-            "dtype": dtype,
+            "dtype": resolved,
             "max_texts": max_texts,
             "alpha": alpha,
             "asr": asr,
@@ -192,7 +194,7 @@ def _generate_all(
     speakers' replay texts, `speak_built_in`), then the base model's (x-vector, then ICL when
     ``icl``), one model in memory at a time. ``common``: `generate_system`'s settings."""
     generated: dict[str, dict[str, list[dict]]] = {}
-    tts = load_model(model_dir, device, torch_dtype)
+    tts = load_tts(model_dir, device, torch_dtype)
     generated["fine_tuned"] = generate_system(tts, "fine_tuned", plans, **common)
     if forgetting is not None:
         from tts_lightning.evaluation.built_in import speak_built_in
@@ -200,7 +202,7 @@ def _generate_all(
         speak_built_in(tts, forgetting, common["audio_dir"], device=device)
     del tts
     free_memory(device)
-    tts = load_model(base_dir, device, torch_dtype)
+    tts = load_tts(base_dir, device, torch_dtype)
     generated["zero_shot_xvector"] = generate_system(tts, "zero_shot_xvector", plans, **common)
     if icl:
         generated["zero_shot_icl"] = generate_system(tts, "zero_shot_icl", plans, **common)

@@ -43,12 +43,6 @@ def _unwrap(tts) -> None:
     del tts.model.generate
 
 
-def load_model(path: Path, device: str, dtype: torch.dtype):
-    from qwen_tts import Qwen3TTSModel
-
-    return Qwen3TTSModel.from_pretrained(str(path), device_map=device, dtype=dtype, attn_implementation="sdpa")
-
-
 def _language(language: str) -> str:
     return "Auto" if language.lower() == "auto" else language
 

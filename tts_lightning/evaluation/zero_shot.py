@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from tts_lightning.evaluation.inputs import EvaluationError, SpeakerPlan, load_real_clips
-from tts_lightning.evaluation.speak import free_memory, generate_system, load_model, score_speaker
+from tts_lightning.evaluation.speak import free_memory, generate_system, score_speaker
 from tts_lightning.metrics.speech import text_characters
+from tts_lightning.model.synthesis import load_tts
 
 WHEN = ("before", "after")
 DEFAULT_SPEAKER = "held_out"  # a folder of clips without speaker sub-folders
@@ -104,7 +105,7 @@ def load_fine_tuned_base(model_dir: Path, base_dir: Path, device: str, dtype: to
     from tts_lightning.model.loading import WeightReader
     from tts_lightning.model.pretrained import check_pretrained
 
-    tts = load_model(base_dir, device, dtype)
+    tts = load_tts(base_dir, device, dtype)
     state = tts.model.state_dict()
     reader = WeightReader(check_pretrained(model_dir))
     wanted = {k for k in state if not k.startswith("speaker_encoder.")}
@@ -144,7 +145,7 @@ def clone_before_after(
     generated: dict[str, dict[str, list[dict]]] = {}
     for when in WHEN:
         if when == "before":
-            tts = load_model(base_dir, device, torch_dtype)
+            tts = load_tts(base_dir, device, torch_dtype)
         else:
             tts = load_fine_tuned_base(model_dir, base_dir, device, torch_dtype)
         label = f"zero_shot_{when}"

@@ -4,7 +4,8 @@ tts-lightning synthesize --model runs/voice --speaker alice --text "Hello." --ou
 tts-lightning synthesize --model BASE_DIR --ref-audio clip.wav --text-file texts.txt --out wavs/
 tts-lightning synthesize --model ICL_VOICE --ref-audio clip.wav --ref-text "What clip.wav says." --text Hi. --out hi.wav
 
-The model and its speech tokenizer run on --device (default cuda when available, else cpu).
+The model and its speech tokenizer run on --device (default cuda when available, else cpu), in
+--dtype (default bf16 on a GPU, fp32 on the CPU), --batch-size texts at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 
 def synthesize_command(argv: list[str]) -> int:
+    from tts_lightning.model.synthesis import BATCH_SIZE, read_text_file, synthesize
+
     parser = argparse.ArgumentParser(
         prog="tts-lightning synthesize",
         description=(
@@ -42,18 +45,22 @@ def synthesize_command(argv: list[str]) -> int:
         "--device",
         help="where the model and its speech tokenizer run: cpu, cuda or cuda:N (default: cuda when available)",
     )
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="default bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help=f"texts spoken at once (default {BATCH_SIZE}; each holds its own cache and decoded audio on the device)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
     args = parser.parse_args(argv)
     texts = list(args.text)
     if args.text_file:
-        from tts_lightning.model.synthesis import read_text_file
-
         texts += read_text_file(args.text_file, "--text-file")
     if not texts:
         parser.error("give --text or --text-file" + (f" ({args.text_file} holds no text)" if args.text_file else ""))
 
     from tts_lightning.files import atomic_write_wav
-    from tts_lightning.model.synthesis import synthesize
 
     wavs, sr = synthesize(
         args.model,
@@ -66,6 +73,8 @@ def synthesize_command(argv: list[str]) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         device=args.device,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
     )
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]
