@@ -16,7 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tts_lightning.files import WriteError, atomic_write, atomic_write_json, staged_directory
+from tts_lightning.files import (
+    WriteError,
+    atomic_write,
+    atomic_write_json,
+    replace_directory,
+    save_safetensors,
+    staged_directory,
+)
 
 
 def _mount(path: Path, size: str, *options: str) -> None:
@@ -106,19 +113,48 @@ def test_staged_folder_on_a_full_disk_leaves_nothing(small_fs):
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
-    # mkstemp and mkdtemp make 0600 files and 0700 folders: a cache or an export shared with
-    # other users (or served by another account) would be unreadable to them.
+    # mkstemp and mkdtemp make 0600 files and 0700 folders, safetensors 0600 files: a cache or an
+    # export shared with other users (or served by another account) would be unreadable to them.
+    import torch
+
     old = os.umask(umask)
     try:
         report = atomic_write_json(tmp_path / "cache" / "report.json", {})
-        with staged_directory(tmp_path / "voice") as tmp:
-            (tmp / "config.json").write_text("{}")
-            os.replace(tmp, tmp_path / "voice")
+        for _ in range(2):  # the second replaces the first (`export --overwrite`)
+            with staged_directory(tmp_path / "voice") as tmp:
+                (tmp / "config.json").write_text("{}")
+                save_safetensors({"w": torch.zeros(2)}, tmp / "model.safetensors")
+                replace_directory(tmp, tmp_path / "voice")
     finally:
         os.umask(old)
     assert report.stat().st_mode & 0o777 == 0o666 & ~umask
     assert (tmp_path / "voice").stat().st_mode & 0o777 == 0o777 & ~umask
-    assert (tmp_path / "voice" / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "voice" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "voice"]  # nothing set aside is left
+
+
+def test_a_replaced_folder_survives_an_interrupted_replacement(tmp_path, monkeypatch):
+    """`export --overwrite`: the old export is set aside before the new one moves in, so a failure
+    in between leaves it whole (it was deleted first)."""
+    out = tmp_path / "voice"
+    out.mkdir()
+    (out / "model.safetensors").write_text("old weights")
+    rename = os.replace
+
+    def failing(src, dst):
+        if Path(dst) == out:
+            raise KeyboardInterrupt  # interrupted between setting the old one aside and the new one's move
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(KeyboardInterrupt):
+        with staged_directory(out) as tmp:
+            (tmp / "model.safetensors").write_text("new weights")
+            replace_directory(tmp, out)
+    monkeypatch.undo()
+    [aside] = tmp_path.glob(".voice.old-*/voice")
+    assert (aside / "model.safetensors").read_text() == "old weights"
 
 
 def test_read_only_folder_is_one_clear_error(small_fs):

@@ -253,6 +253,28 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
 
 
+def replace_directory(staged: Path, out: Path) -> None:
+    """Put the built folder ``staged`` (`staged_directory`) at ``out``, replacing what is there: the
+    old folder is renamed aside first and removed only once the new one is in place, so an
+    interruption leaves one of them whole (the old one as ``.<name>.old-*`` beside it)."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(staged, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, readable as the umask allows (it creates its files 0600, so a
+    model exported for another account, e.g. a server's, could not be read there)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    _follow_umask(Path(path).chmod, 0o666)
+
+
 def remove_stale_temporaries(folder: str | os.PathLike, pattern: str, older_than: float = 3600.0) -> list[Path]:
     """Remove the temporary files (``pattern``, e.g. ``.*.tmp``) a killed writer left in ``folder``,
     those older than ``older_than`` seconds (never one being written now); return them."""

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from tts_lightning.errors import UserError
-from tts_lightning.files import staged_directory
+from tts_lightning.files import replace_directory, save_safetensors, staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 from tts_lightning.model.custom_voice import new_speaker_ids, speaker_codec_ids
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
@@ -183,9 +183,7 @@ def export_custom_voice(
         _copy_pretrained_files(info.path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_weights(tmp, source, names, groups, target, speaker_rows=speaker_rows)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_directory(tmp, out)
     return out
 
 
@@ -234,9 +232,7 @@ def export_base(
         _copy_pretrained_files(info.path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_weights(tmp, source, names, groups, target, speaker_rows={})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_directory(tmp, out)
     return out
 
 
@@ -345,8 +341,6 @@ def _write_weights(
 ) -> None:
     """The shards ``names`` (one per group of keys), one tensor read at a time, with the new
     speakers' embeddings in their ``codec_embedding`` rows; the index when there are several."""
-    from safetensors.torch import save_file
-
     weight_map: dict[str, str] = {}
     total = 0
     for name, group in zip(names, groups):
@@ -362,7 +356,7 @@ def _write_weights(
             value = value.contiguous()
             shard[key[len("model.") :]] = value
             total += value.numel() * value.element_size()
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        save_safetensors(shard, tmp / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
         del shard
     if len(names) > 1:
@@ -387,8 +381,6 @@ def export_adapter(
     trained in full as ``modules_to_save``), plus the speaker table (``speakers.json`` and
     ``speaker_embeddings.safetensors``, fp32): small, for sharing; load it onto the base model
     with ``peft.PeftModel.from_pretrained``. Atomic like `export_custom_voice`."""
-    from safetensors.torch import save_file
-
     from tts_lightning.model.lora import checkpoint_key, is_adapter_key, lora_config
 
     out = Path(out).expanduser().resolve()
@@ -427,9 +419,9 @@ def export_adapter(
         state[f"base_model.model.{name}"] = value.contiguous()
     with staged_directory(out) as tmp:
         config.save_pretrained(str(tmp))
-        save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        save_file(
-            {"speaker_embeddings": embeddings.contiguous()}, str(tmp / ADAPTER_EMBEDDINGS), metadata={"format": "pt"}
+        save_safetensors(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_safetensors(
+            {"speaker_embeddings": embeddings.contiguous()}, tmp / ADAPTER_EMBEDDINGS, metadata={"format": "pt"}
         )
         (tmp / ADAPTER_SPEAKERS).write_text(
             json.dumps(
@@ -443,7 +435,5 @@ def export_adapter(
             )
             + "\n"
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_directory(tmp, out)
     return out

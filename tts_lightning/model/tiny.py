@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tts_lightning.errors import UserError
-from tts_lightning.files import staged_directory
+from tts_lightning.files import save_safetensors, staged_directory
 from tts_lightning.model.tiny_tokenizer import TEXT_VOCAB_SIZE, build_text_tokenizer, special_id
 from tts_lightning.model.tiny_weights import _fan_in_init, _init_speech_tokenizer
 
@@ -208,7 +208,6 @@ def _build(out: Path, seed: int, model_type: str, codebook_size: int) -> None:
 def _write_model(out: Path, model_cfg: dict, seed: int, generator: torch.Generator) -> None:
     """The model's weights, ``config.json`` and ``generation_config.json``."""
     from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
-    from safetensors.torch import save_file
 
     config = Qwen3TTSConfig(**{k: v for k, v in model_cfg.items() if k != "model_type"})
     config.architectures = model_cfg["architectures"]
@@ -217,7 +216,7 @@ def _write_model(out: Path, model_cfg: dict, seed: int, generator: torch.Generat
         model = Qwen3TTSForConditionalGeneration(config)
     _fan_in_init(model, generator)  # custom_voice: the built-in speakers' rows are random too
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     cfg_dict = config.to_dict()
     # save_pretrained writes speaker_encoder_config.model_type = "", which then fails to load.
     cfg_dict["speaker_encoder_config"].pop("model_type", None)
@@ -233,7 +232,6 @@ def _write_speech_tokenizer(speech_dir: Path, speech_cfg: dict, seed: int, gener
         Qwen3TTSTokenizerV2Config,
     )
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
-    from safetensors.torch import save_file
 
     speech_dir.mkdir()
     speech_config = Qwen3TTSTokenizerV2Config(**{k: v for k, v in speech_cfg.items() if k not in ("model_type",)})
@@ -244,7 +242,7 @@ def _write_speech_tokenizer(speech_dir: Path, speech_cfg: dict, seed: int, gener
     _fan_in_init(speech_model, generator)
     _init_speech_tokenizer(speech_model, generator)
     speech_state = {k: v.detach().contiguous() for k, v in speech_model.state_dict().items()}
-    save_file(speech_state, str(speech_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(speech_state, speech_dir / "model.safetensors", metadata={"format": "pt"})
     speech_dict = speech_config.to_dict()
     speech_dict.pop("transformers_version", None)
     _write_json(speech_dir / "config.json", speech_dict)
