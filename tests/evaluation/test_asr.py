@@ -3,6 +3,8 @@ text, and a generation of the random-weight tiny model scores a high error rate 
 
 from pathlib import Path
 
+import pytest
+
 from tts_lightning.data.audio import load_audio
 from tts_lightning.evaluation.asr import PocketsphinxRecognizer, error_rates, make_recognizer
 
@@ -32,14 +34,18 @@ def test_pocketsphinx_hears_real_speech_and_not_the_tiny_models(tiny_custom_voic
     assert noise_rates["cer"] > real_rates["cer"] + 0.3
 
 
-def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path):
+@pytest.mark.parametrize("timestamps", [True, False])
+def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path, monkeypatch, timestamps):
     """Real transformers Whisper classes, random weights, a byte-level vocabulary written here: the
-    recognizer loads the folder, transcribes (garbage) and the rates are computed."""
+    recognizer loads the folder, transcribes (garbage) and the rates are computed. A generation over
+    30 s is heard whole: by Whisper's long-form decoding (the whole log-mel in one call) when the
+    checkpoint has timestamp tokens, else in 30 s windows; it was cut at 30 s."""
     import json
 
     import numpy as np
     import torch
     from transformers import (
+        AddedToken,
         WhisperConfig,
         WhisperFeatureExtractor,
         WhisperForConditionalGeneration,
@@ -54,6 +60,8 @@ def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path):
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     tokenizer = WhisperTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|startoftranscript|>", "<|notimestamps|>"]})
+    if timestamps:  # as the released checkpoints: <|0.00|> .. <|30.00|> right after <|notimestamps|>
+        tokenizer.add_tokens([AddedToken(f"<|{i * 0.02:.2f}|>", lstrip=False, rstrip=False) for i in range(1501)])
     WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer).save_pretrained(
         tmp_path
     )
@@ -74,12 +82,29 @@ def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path):
         bos_token_id=end,
     )
     torch.manual_seed(0)
-    WhisperForConditionalGeneration(config).save_pretrained(tmp_path)
+    model = WhisperForConditionalGeneration(config)
+    if timestamps:
+        model.generation_config.no_timestamps_token_id = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
+        model.generation_config._from_model_config = False  # else loading rebuilds it from config.json
+    model.save_pretrained(tmp_path)
 
     asr = make_recognizer(str(tmp_path))
     assert isinstance(asr, WhisperRecognizer) and asr.name == str(tmp_path)
     asr.max_new_tokens = 16
-    text = asr.transcribe(np.random.default_rng(0).normal(0.0, 0.1, 24_000).astype(np.float32), 24_000)
+    noise = np.random.default_rng(0).normal(0.0, 0.1, 24_000).astype(np.float32)
+    text = asr.transcribe(noise, 24_000)
     assert isinstance(text, str)
     rates = error_rates(TEXT, text)
     assert rates["cer"] >= 0.7  # garbage
+
+    frames = []  # the log-mel frames of each generate call (100 a second)
+    generate = asr.model.generate
+
+    def recording(features, **kwargs):
+        frames.append(features.shape[-1])
+        return generate(features, **kwargs)
+
+    monkeypatch.setattr(asr.model, "generate", recording)
+    long = np.random.default_rng(1).normal(0.0, 0.1, 75 * 24_000).astype(np.float32)  # 75 s
+    assert isinstance(asr.transcribe(long, 24_000), str)
+    assert frames == ([7500] if timestamps else [3000, 3000, 3000])  # the last window padded to 30 s

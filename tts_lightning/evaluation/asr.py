@@ -51,7 +51,11 @@ class PocketsphinxRecognizer:
 
 
 class WhisperRecognizer:
-    """A Whisper checkpoint (hub name or local folder) through transformers' own classes."""
+    """A Whisper checkpoint (hub name or local folder) through transformers' own classes. Audio over
+    30 s is transcribed whole, by Whisper's own long-form decoding (window by window, led by its
+    timestamp tokens; ``max_new_tokens`` is per window), or, for a checkpoint without timestamp
+    tokens, in consecutive 30 s windows: cut at 30 s, a generation that runs on would be scored on
+    its first 30 s only."""
 
     def __init__(self, model: str, *, device: str = "cpu", max_new_tokens: int = 128) -> None:
         from transformers import WhisperForConditionalGeneration, WhisperProcessor
@@ -61,12 +65,22 @@ class WhisperRecognizer:
         self.max_new_tokens = max_new_tokens
         self.processor = WhisperProcessor.from_pretrained(model)
         self.model = WhisperForConditionalGeneration.from_pretrained(model).to(device).eval()
+        # Long-form decoding needs the timestamp tokens (every openai/whisper-* checkpoint has them).
+        self.has_timestamps = getattr(self.model.generation_config, "no_timestamps_token_id", None) is not None
 
     def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
-        features = self.processor(_to_16k(audio, sample_rate), sampling_rate=ASR_RATE, return_tensors="pt")
+        wave = _to_16k(audio, sample_rate)
+        window = self.processor.feature_extractor.n_samples  # 30 s
+        long_form = wave.shape[0] > window
+        if long_form and not self.has_timestamps:  # a checkpoint without timestamp tokens: 30 s windows
+            return " ".join(self.transcribe(wave[i : i + window], ASR_RATE) for i in range(0, wave.shape[0], window))
+        # Long-form takes the whole log-mel (not padded or cut to 30 s) and its attention mask.
+        options = {"truncation": False, "padding": "longest", "return_attention_mask": True} if long_form else {}
+        features = self.processor(wave, sampling_rate=ASR_RATE, return_tensors="pt", **options)
+        extra = {"attention_mask": features.attention_mask.to(self.device)} if long_form else {}
         with torch.no_grad():
             ids = self.model.generate(
-                features.input_features.to(self.device, self.model.dtype), max_new_tokens=self.max_new_tokens
+                features.input_features.to(self.device, self.model.dtype), max_new_tokens=self.max_new_tokens, **extra
             )
         return str(self.processor.batch_decode(ids, skip_special_tokens=True)[0]).strip()
 
