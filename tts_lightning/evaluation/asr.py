@@ -70,7 +70,7 @@ class WhisperRecognizer:
 
     def transcribe(self, audio: np.ndarray, sample_rate: int) -> str:
         wave = _to_16k(audio, sample_rate)
-        window = self.processor.feature_extractor.n_samples  # 30 s
+        window = self.processor.feature_extractor.n_samples  # type: ignore[attr-defined]  # 30 s
         long_form = wave.shape[0] > window
         if long_form and not self.has_timestamps:  # a checkpoint without timestamp tokens: 30 s windows
             return " ".join(self.transcribe(wave[i : i + window], ASR_RATE) for i in range(0, wave.shape[0], window))
