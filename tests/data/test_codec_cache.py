@@ -105,6 +105,34 @@ def test_cached_codes_equal_tokenizer_encode_of_the_clip_padded_to_whole_frames(
     assert batched.encode_missing(clips, batch_size=8) == 0
 
 
+def test_a_call_encodes_at_most_the_given_seconds_of_audio(tiny_dir, demo_copy, monkeypatch):
+    """The encoder's activations grow with the seconds in a call, not its clips (~0.026 GiB a second in
+    fp32 at the released size): a call holds at most ``data.encode_batch_seconds`` of audio (a longer
+    clip alone) and ``data.encode_batch_size`` clips, and the codes are those of clip-count batches."""
+    clips = _accepted(demo_copy)
+    calls: list[list[float]] = []  # the durations encoded by each speech-tokenizer call
+    real_batches = codec_cache._batches
+
+    def recording(todo, size, seconds):
+        batches = real_batches(todo, size, seconds)
+        calls.extend([c.duration for c in batch] for batch in batches)
+        return batches
+
+    monkeypatch.setattr(codec_cache, "_batches", recording)
+    data = SpeakerClipsDataModule(str(tiny_dir), str(demo_copy), encode_batch_seconds=6.0)
+    data.prepare()
+    assert sorted(d for call in calls for d in call) == sorted(c.duration for c in clips)  # each clip once
+    assert all(sum(call) <= 6.0 or len(call) == 1 for call in calls) and all(len(call) <= 8 for call in calls)
+    assert len(calls) >= len(clips) / 2  # the demo's 2-5 s clips: 1 or 2 a call instead of 8
+    by_count = CodecCache(demo_copy.parent / "by-count", check_pretrained(tiny_dir))
+    assert by_count.encode_missing(clips, batch_size=8) == len(clips)
+    by_seconds = data.preparer.codec_cache()
+    assert all(torch.equal(by_seconds.load(clip), by_count.load(clip)) for clip in clips)
+
+    with pytest.raises(ValueError, match="data.encode_batch_size must be >= 1 and data.encode_batch_seconds > 0"):
+        SpeakerClipsDataModule(str(tiny_dir), str(demo_copy), encode_batch_seconds=0)
+
+
 def test_key_depends_on_content_and_preprocessing(tiny_dir, demo_copy):
     info = check_pretrained(tiny_dir)
     clip = _accepted(demo_copy)[0]

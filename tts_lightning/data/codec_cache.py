@@ -268,10 +268,12 @@ class CodecCache:
         self,
         clips: Iterable[AcceptedClip],
         batch_size: int = 8,
+        max_seconds: float | None = None,
         progress: Progress | None = None,
     ) -> int:
-        """Encode every clip without a cache file, ``batch_size`` at a time; return how many were
-        encoded. Manifest codes are checked and stored without encoding (and not counted)."""
+        """Encode every clip without a cache file, at most ``batch_size`` clips and ``max_seconds``
+        of audio at a time (a longer clip alone); return how many were encoded. Manifest codes are
+        checked and stored without encoding (and not counted)."""
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         todo: list[AcceptedClip] = []
@@ -291,8 +293,7 @@ class CodecCache:
         todo.sort(key=lambda c: c.duration)
         tokenizer = self._get_tokenizer()
         done, seconds, total_seconds = 0, 0.0, sum(c.duration for c in todo)
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
+        for batch in _batches(todo, batch_size, max_seconds):
             waves = [self._load_wave(c) for c in batch]
             out = tokenizer.encode(waves, sr=TARGET_SAMPLE_RATE)
             for clip, wave, codes in zip(batch, waves, out.audio_codes):
@@ -315,6 +316,23 @@ class CodecCache:
         self._tokenizer = None
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give its blocks back before training allocates the model
+
+
+def _batches(clips: list[AcceptedClip], size: int, max_seconds: float | None) -> list[list[AcceptedClip]]:
+    """Consecutive batches of at most ``size`` clips and ``max_seconds`` of audio (a clip longer
+    than that alone): the encoder's activations grow with the seconds of a call, not its clips."""
+    batches: list[list[AcceptedClip]] = []
+    seconds = 0.0
+    for clip in clips:
+        full = batches and (
+            len(batches[-1]) >= size or (max_seconds is not None and seconds + clip.duration > max_seconds)
+        )
+        if not batches or full:
+            batches.append([])
+            seconds = 0.0
+        batches[-1].append(clip)
+        seconds += clip.duration
+    return batches
 
 
 class AudioChangedError(RuntimeError):

@@ -97,6 +97,9 @@ class SpeakerClipsDataModule(LightningDataModule):
         num_reference_clips: clips averaged for a speaker's embedding when its records give no
             ``ref_audio``.
         encode_batch_size: clips per speech-tokenizer call while preparing.
+        encode_batch_seconds: and seconds of audio per call at most (the encoder's activations
+            grow with them: about 0.026 GiB a second in fp32 at the released tokenizer's size,
+            measured on CPU; 8 clips of 30 s would take ~6 GiB).
         prepare_device: device for the speech tokenizer and speaker encoder while preparing
             (default: cuda when available, else cpu). In a run of several processes on GPUs, a
             CUDA device means each rank's own GPU (see `rank_device`).
@@ -132,6 +135,7 @@ class SpeakerClipsDataModule(LightningDataModule):
         trim_silence: bool = False,
         num_reference_clips: int = 3,
         encode_batch_size: int = 8,
+        encode_batch_seconds: float = 80.0,
         prepare_device: str | None = None,
         predict_texts: list[str] | None = None,
         predict_texts_file: str | None = None,

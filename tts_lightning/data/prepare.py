@@ -286,7 +286,12 @@ class DataPreparer:
         cache = self.codec_cache(device)
         progress = EncodeProgress(f"{log}encoded")
         cache.verify(clips)  # a truncated or malformed cache file is removed (warning) and encoded again
-        encoded = cache.encode_missing(clips, batch_size=self.settings.encode_batch_size, progress=progress)
+        encoded = cache.encode_missing(
+            clips,
+            batch_size=self.settings.encode_batch_size,
+            max_seconds=self.settings.encode_batch_seconds,
+            progress=progress,
+        )
         cache.release()
         rank_zero_info(
             f"{log}codec cache: {encoded} clip(s) encoded, {len(clips) - encoded} already cached ({self.cache_dir})"
@@ -411,7 +416,12 @@ class DataPreparer:
         cache = self.codec_cache()
         cache.verify(clips)
         encoded = encode_with_ray(
-            cache, clips, num_workers=workers, batch_size=self.settings.encode_batch_size, address=address
+            cache,
+            clips,
+            num_workers=workers,
+            batch_size=self.settings.encode_batch_size,
+            max_seconds=self.settings.encode_batch_seconds,
+            address=address,
         )
         rank_zero_info(
             f"codec cache: {encoded} clip(s) encoded on {workers} Ray worker(s), "

@@ -172,7 +172,11 @@ def _finish(preparer: Preparer, plan: Plan, device: str) -> None:
     folder. Should two ranks have seen the folder differently (a file system caching lookups),
     what no one encoded is encoded here (a stat per clip when nothing is missing)."""
     cache = preparer.codec_cache(device)
-    cache.encode_missing(plan.clips, batch_size=preparer.settings.encode_batch_size)
+    cache.encode_missing(
+        plan.clips,
+        batch_size=preparer.settings.encode_batch_size,
+        max_seconds=preparer.settings.encode_batch_seconds,
+    )
     cache.release()
     preparer.write_index(plan)
     preparer.prepare_replay(device)  # the starting model's replay records, spoken once (when replay is on)

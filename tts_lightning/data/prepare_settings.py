@@ -39,6 +39,7 @@ class PrepareSettings:
     trim_silence: bool = False
     num_reference_clips: int = 3
     encode_batch_size: int = 8
+    encode_batch_seconds: float = 80.0
     prepare_device: str | None = None
     # Replay (`tts_lightning.data.replay`): off at 0; not in prepared.json (the records have a folder of their own).
     replay_fraction: float = 0.0
@@ -63,6 +64,11 @@ class PrepareSettings:
             if not speakers or dupes:
                 raise ValueError(f"speakers must be a non-empty list of distinct names, got {speakers}")
             object.__setattr__(self, "speakers", tuple(speakers))  # a list from YAML or Python
+        if self.encode_batch_size < 1 or self.encode_batch_seconds <= 0:
+            raise ConfigError(
+                "data.encode_batch_size must be >= 1 and data.encode_batch_seconds > 0, got "
+                f"{self.encode_batch_size} and {self.encode_batch_seconds}"
+            )
         if not 0.0 <= self.replay_fraction < 1.0:
             raise ConfigError(f"data.replay_fraction must be in [0, 1) (0: off), got {self.replay_fraction}")
         if self.replay_max_new_tokens < 1:

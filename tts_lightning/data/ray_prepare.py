@@ -34,6 +34,7 @@ class _Encoder:
         trim_silence: bool,
         device: str | None,
         batch_size: int,
+        max_seconds: float | None = None,
     ) -> None:
         from tts_lightning.model.pretrained import check_pretrained
 
@@ -41,13 +42,18 @@ class _Encoder:
             cache_dir, check_pretrained(pretrained), normalize=normalize, trim_silence=trim_silence, device=device
         )
         self.batch_size = batch_size
+        self.max_seconds = max_seconds
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         clips = [
             AcceptedClip(ClipRecord(audio=Path(a), text="", speaker="", source=str(s)), float(d), str(h))
             for a, s, d, h in zip(batch["audio"], batch["source"], batch["duration"], batch["content_hash"])
         ]
-        return {"encoded": np.array([self.cache.encode_missing(clips, batch_size=self.batch_size)])}
+        return {
+            "encoded": np.array(
+                [self.cache.encode_missing(clips, batch_size=self.batch_size, max_seconds=self.max_seconds)]
+            )
+        }
 
 
 def _package_root() -> str:
@@ -81,6 +87,7 @@ def encode_with_ray(
     *,
     num_workers: int,
     batch_size: int = 8,
+    max_seconds: float | None = None,
     address: str = "local",
 ) -> int:
     """Encode the codes of ``clips`` not cached yet on ``num_workers`` Ray actors; return how many
@@ -142,6 +149,7 @@ def encode_with_ray(
                 "trim_silence": cache.trim_silence,
                 "device": device,
                 "batch_size": batch_size,
+                "max_seconds": max_seconds,
             },
             batch_size=batch_size,
             compute=pool,
