@@ -117,6 +117,13 @@ def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
     # export shared with other users (or served by another account) would be unreadable to them.
     import torch
 
+    from tts_lightning.model.export import _copy_pretrained_files
+
+    pretrained = tmp_path / "pretrained"  # files an export copies, private to their owner
+    (pretrained / "speech_tokenizer").mkdir(parents=True)
+    for private in (pretrained / "vocab.json", pretrained / "speech_tokenizer" / "model.safetensors"):
+        private.write_text("{}")
+        private.chmod(0o600)
     old = os.umask(umask)
     try:
         report = atomic_write_json(tmp_path / "cache" / "report.json", {})
@@ -124,27 +131,28 @@ def test_written_files_and_folders_follow_the_umask(tmp_path, umask):
             with staged_directory(tmp_path / "voice") as tmp:
                 (tmp / "config.json").write_text("{}")
                 save_safetensors({"w": torch.zeros(2)}, tmp / "model.safetensors")
+                _copy_pretrained_files(pretrained, tmp)
                 replace_directory(tmp, tmp_path / "voice")
     finally:
         os.umask(old)
     assert report.stat().st_mode & 0o777 == 0o666 & ~umask
     assert (tmp_path / "voice").stat().st_mode & 0o777 == 0o777 & ~umask
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "vocab.json", "speech_tokenizer/model.safetensors"):
         assert (tmp_path / "voice" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "voice"]  # nothing set aside is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "pretrained", "voice"]  # nothing set aside
 
 
 def test_a_replaced_folder_survives_an_interrupted_replacement(tmp_path, monkeypatch):
-    """`export --overwrite`: the old export is set aside before the new one moves in, so a failure
-    in between leaves it whole (it was deleted first)."""
+    """`export --overwrite`: the old export is set aside before the new one moves in (it was deleted
+    first) and put back when the move fails or is interrupted."""
     out = tmp_path / "voice"
     out.mkdir()
     (out / "model.safetensors").write_text("old weights")
     rename = os.replace
 
     def failing(src, dst):
-        if Path(dst) == out:
-            raise KeyboardInterrupt  # interrupted between setting the old one aside and the new one's move
+        if Path(dst) == out and Path(src).name != out.name:  # the new one's move, not the old one's return
+            raise KeyboardInterrupt
         rename(src, dst)
 
     monkeypatch.setattr(os, "replace", failing)
@@ -153,8 +161,8 @@ def test_a_replaced_folder_survives_an_interrupted_replacement(tmp_path, monkeyp
             (tmp / "model.safetensors").write_text("new weights")
             replace_directory(tmp, out)
     monkeypatch.undo()
-    [aside] = tmp_path.glob(".voice.old-*/voice")
-    assert (aside / "model.safetensors").read_text() == "old weights"
+    assert (out / "model.safetensors").read_text() == "old weights"
+    assert [p.name for p in tmp_path.iterdir()] == ["voice"]  # nothing set aside or staged is left
 
 
 def test_read_only_folder_is_one_clear_error(small_fs):

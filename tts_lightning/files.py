@@ -255,13 +255,19 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
 
 def replace_directory(staged: Path, out: Path) -> None:
     """Put the built folder ``staged`` (`staged_directory`) at ``out``, replacing what is there: the
-    old folder is renamed aside first and removed only once the new one is in place, so an
-    interruption leaves one of them whole (the old one as ``.<name>.old-*`` beside it)."""
+    old folder is renamed aside first, put back if the new one cannot move in, and removed only
+    once it has (a kill between the renames leaves it whole as ``.<name>.old-*/<name>``)."""
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.replace(out, old / out.name)
-    os.replace(staged, out)
+    try:
+        os.replace(staged, out)
+    except BaseException:
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)  # the old one back where it was
+            old.rmdir()
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -120,6 +120,7 @@ def _rank_main(
     layout = 0
 
     def counted(self, clips, *args, **kwargs):
+        assert kwargs.get("max_seconds") == PrepareSettings.encode_batch_seconds  # data.encode_batch_seconds reaches it
         n = encode_missing(self, clips, *args, **kwargs)
         encoded[layout * WORLD + rank] += n
         return n

@@ -23,6 +23,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tts_lightning import Qwen3TTSModule, SpeakerClipsDataModule
 
 STEPS, FIRST, SECOND = 4, 2, 3
+HOST_GROUP_CALLS: list[str] = []  # "setup" or "training": when `rank_local_state.host_group` was called
+PHASE: list[bool] = []  # non-empty once training has started
+
+
+def _count_host_group_calls() -> None:
+    """Records each call of the group that quantized state is gathered over for full checkpoints."""
+    from tts_lightning.distributed import rank_local_state
+
+    host_group = rank_local_state.host_group
+
+    def counted():
+        HOST_GROUP_CALLS.append("training" if PHASE else "setup")
+        return host_group()
+
+    rank_local_state.host_group = counted
 
 
 class Record(L.Callback):
@@ -84,8 +99,11 @@ def fit(kind, option, pretrained, paths, out: Path, *, steps, every, fmt, ckpt=N
     class Before(L.Callback):
         def on_train_start(self, trainer, pl_module):
             before.update(local_params(pl_module))
+            PHASE.append(True)
 
     trainer.callbacks.append(Before())
+    HOST_GROUP_CALLS.clear()
+    PHASE.clear()
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     after = local_params(module)
     optimizer = trainer.optimizers[0]
@@ -97,6 +115,7 @@ def fit(kind, option, pretrained, paths, out: Path, *, steps, every, fmt, ckpt=N
     trainable = module.trainable_keys
     changed = sorted(n for n in after if n in before and not torch.equal(before[n], after[n]))
     return after, {
+        "host_group_calls": list(HOST_GROUP_CALLS),
         "losses": record.losses,
         "changed": changed,
         "trainable_changed": sum(n in trainable for n in changed),
@@ -109,6 +128,7 @@ def fit(kind, option, pretrained, paths, out: Path, *, steps, every, fmt, ckpt=N
 
 
 def main(kind, pretrained, manifest, cache, out, options, resumed):
+    _count_host_group_calls()
     out = Path(out)
     data = (manifest, cache)
     results: dict = {}
@@ -119,9 +139,10 @@ def main(kind, pretrained, manifest, cache, out, options, resumed):
         rank = torch.distributed.get_rank()
         if option in resumed.split(","):
             first = run / "a" / f"step{FIRST}.ckpt"
-            from_sharded, _ = fit(
+            from_sharded, full_run = fit(
                 kind, option, pretrained, data, run / "b", steps=STEPS, every=SECOND, fmt="full", ckpt=first
             )
+            results[option]["host_group_calls_full"] = full_run["host_group_calls"]
             second = run / "b" / f"step{SECOND}.ckpt"
             from_full, _ = fit(
                 kind, option, pretrained, data, run / "c", steps=STEPS, every=99, fmt="full", ckpt=second

@@ -97,14 +97,26 @@ def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path, monkeyp
     rates = error_rates(TEXT, text)
     assert rates["cer"] >= 0.7  # garbage
 
-    frames = []  # the log-mel frames of each generate call (100 a second)
-    generate = asr.model.generate
+    frames, heard = [], []  # the log-mel frames of each generate call (100 a second), the seconds heard
+    generate, processor = asr.model.generate, asr.processor
 
     def recording(features, **kwargs):
         frames.append(features.shape[-1])
         return generate(features, **kwargs)
 
+    class Listening:  # the real processor, recording the audio it is given
+        feature_extractor = processor.feature_extractor
+        batch_decode = processor.batch_decode
+
+        def __call__(self, wave, **kwargs):
+            heard.append(round(len(wave) / 16_000, 2))
+            return processor(wave, **kwargs)
+
     monkeypatch.setattr(asr.model, "generate", recording)
-    long = np.random.default_rng(1).normal(0.0, 0.1, 75 * 24_000).astype(np.float32)  # 75 s
+    monkeypatch.setattr(asr, "processor", Listening())
+    long = np.random.default_rng(1).normal(0.0, 0.1, 61 * 24_000).astype(np.float32)  # 61 s
     assert isinstance(asr.transcribe(long, 24_000), str)
-    assert frames == ([7500] if timestamps else [3000, 3000, 3000])  # the last window padded to 30 s
+    if timestamps:  # one call with the whole log-mel
+        assert (frames, heard) == ([6100], [61.0])
+    else:  # equal windows (not 30 + 30 + 1 s, whose last one would be mostly padding), each padded to 30 s
+        assert (frames, heard) == ([3000] * 3, [20.33] * 3)

@@ -54,7 +54,7 @@ class WhisperRecognizer:
     """A Whisper checkpoint (hub name or local folder) through transformers' own classes. Audio over
     30 s is transcribed whole, by Whisper's own long-form decoding (window by window, led by its
     timestamp tokens; ``max_new_tokens`` is per window), or, for a checkpoint without timestamp
-    tokens, in consecutive 30 s windows: cut at 30 s, a generation that runs on would be scored on
+    tokens, in equal windows of at most 30 s: cut at 30 s, a generation that runs on would be scored on
     its first 30 s only."""
 
     def __init__(self, model: str, *, device: str = "cpu", max_new_tokens: int = 128) -> None:
@@ -72,8 +72,11 @@ class WhisperRecognizer:
         wave = _to_16k(audio, sample_rate)
         window = self.processor.feature_extractor.n_samples  # type: ignore[attr-defined]  # 30 s
         long_form = wave.shape[0] > window
-        if long_form and not self.has_timestamps:  # a checkpoint without timestamp tokens: 30 s windows
-            return " ".join(self.transcribe(wave[i : i + window], ASR_RATE) for i in range(0, wave.shape[0], window))
+        if long_form and not self.has_timestamps:
+            # A checkpoint without timestamp tokens: equal windows of at most 30 s (a short last one,
+            # padded with 30 s of silence, would make Whisper invent words).
+            windows = np.array_split(wave, -(-wave.shape[0] // window))
+            return " ".join(self.transcribe(w, ASR_RATE) for w in windows)
         # Long-form takes the whole log-mel (not padded or cut to 30 s) and its attention mask.
         options = {"truncation": False, "padding": "longest", "return_attention_mask": True} if long_form else {}
         features = self.processor(wave, sampling_rate=ASR_RATE, return_tensors="pt", **options)

@@ -324,10 +324,12 @@ def _copy_pretrained_files(pretrained: Path, tmp: Path) -> None:
             or item.name.startswith("model-")
         ):
             continue
+        # Contents only (copyfile): new files as the umask says, not the source's modes (a Hugging
+        # Face cache or an older tiny model may hold 0600 files).
         if item.is_dir():
-            shutil.copytree(item, tmp / item.name)
+            shutil.copytree(item, tmp / item.name, copy_function=shutil.copyfile)
         else:
-            shutil.copy2(item, tmp / item.name)
+            shutil.copyfile(item, tmp / item.name)
 
 
 def _write_weights(

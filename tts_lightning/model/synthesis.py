@@ -132,12 +132,15 @@ def synthesize(
     transcript) is given (what `export` writes for a run trained with ``data.layout: icl``).
     ``streaming`` picks the layout (default: qwen_tts's own for the call). The model and its speech
     tokenizer run on ``device`` (default: cuda when available, else cpu) in ``dtype`` (bf16, fp16 or
-    fp32; default bf16 on a GPU, fp32 on the CPU), ``batch_size`` texts at a time.
+    fp32; default bf16 on a GPU, fp32 on the CPU), ``batch_size`` texts at a time (sampling draws
+    for a whole batch: the same ``seed`` gives the same audio at the same ``batch_size``).
     """
     from tts_lightning.model.export import DTYPES
 
     if batch_size < 1:
         raise SynthesisError(f"--batch-size must be >= 1, got {batch_size}")
+    if not texts:
+        raise SynthesisError("no text to speak: give at least one")
     info = check_pretrained(model_dir)
     check_request(info, speaker=speaker, ref_audio=ref_audio, language=language, ref_text=ref_text)
     device = resolve_device(device)

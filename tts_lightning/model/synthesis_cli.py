@@ -15,8 +15,6 @@ from pathlib import Path
 
 
 def synthesize_command(argv: list[str]) -> int:
-    from tts_lightning.model.synthesis import BATCH_SIZE, read_text_file, synthesize
-
     parser = argparse.ArgumentParser(
         prog="tts-lightning synthesize",
         description=(
@@ -49,11 +47,14 @@ def synthesize_command(argv: list[str]) -> int:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=BATCH_SIZE,
-        help=f"texts spoken at once (default {BATCH_SIZE}; each holds its own cache and decoded audio on the device)",
+        help="texts spoken at once (default 4; each holds its own cache and decoded audio on the device); "
+        "the same --seed gives the same audio at the same --batch-size",
     )
     parser.add_argument("--out", type=Path, required=True, help="output .wav (one text) or folder (several texts)")
     args = parser.parse_args(argv)
+    # After parsing: --help and usage errors without importing torch.
+    from tts_lightning.model.synthesis import BATCH_SIZE, read_text_file, synthesize
+
     texts = list(args.text)
     if args.text_file:
         texts += read_text_file(args.text_file, "--text-file")
@@ -74,7 +75,7 @@ def synthesize_command(argv: list[str]) -> int:
         max_new_tokens=args.max_new_tokens,
         device=args.device,
         dtype=args.dtype,
-        batch_size=args.batch_size,
+        batch_size=BATCH_SIZE if args.batch_size is None else args.batch_size,
     )
     if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
         outs = [args.out]

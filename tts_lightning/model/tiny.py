@@ -317,9 +317,9 @@ def build_tiny_pretrained(
     with staged_directory(out) as tmp:
         _build(tmp, seed, model_type, codebook_size)
         _write_json(tmp / "tiny_model.json", key)
-        if out.exists():
-            out.rmdir()  # empty, checked above
         try:
+            if out.exists():
+                out.rmdir()  # empty, checked above (unless another process has just filled it)
             os.replace(tmp, out)
         except OSError:
             # Another process built it first: theirs is identical for the same arguments.
