@@ -106,7 +106,9 @@ def load_tts(path: str | os.PathLike, device: str, dtype: torch.dtype):
 
 
 def default_dtype(device: str) -> Literal["bf16", "fp32"]:
-    """bf16 on a GPU (half the memory of fp32: the 1.7B's weights 3.6 instead of 7.1 GiB), fp32 on the CPU."""
+    """bf16 on a GPU (half the memory of fp32: the 1.7B's weights 3.6 instead of 7.1 GiB), fp32 on the CPU.
+    Not run on a GPU here: the choice and a bf16 model's synthesis on the CPU are tested
+    (tests/model/test_cli_commands.py)."""
     return "bf16" if device.startswith("cuda") else "fp32"
 
 
