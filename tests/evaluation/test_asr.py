@@ -90,6 +90,12 @@ def test_whisper_path_runs_end_to_end_on_a_random_weight_model(tmp_path, monkeyp
 
     asr = make_recognizer(str(tmp_path))
     assert isinstance(asr, WhisperRecognizer) and asr.name == str(tmp_path)
+    assert asr.model.dtype == torch.float32
+    if not timestamps:  # bound for a GPU (the samples' recognizer waits in host memory): bf16, half the bytes
+        on_gpu = make_recognizer(str(tmp_path), device="cpu", runs_on="cuda:0")
+        assert on_gpu.model.dtype == torch.bfloat16 and on_gpu.model.device.type == "cpu"
+        on_gpu.max_new_tokens = 4
+        assert isinstance(on_gpu.transcribe(np.zeros(16_000, dtype=np.float32), 16_000), str)
     asr.max_new_tokens = 16
     noise = np.random.default_rng(0).normal(0.0, 0.1, 24_000).astype(np.float32)
     text = asr.transcribe(noise, 24_000)

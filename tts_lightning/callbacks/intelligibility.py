@@ -53,7 +53,8 @@ class SampleIntelligibility:
         from tts_lightning.evaluation.asr import error_rates, make_recognizer
 
         if self._recognizer is None:
-            self._recognizer = make_recognizer(self.asr, device="cpu")  # kept in host memory between rounds
+            # Kept in host memory between rounds, in the dtype of the device it transcribes on.
+            self._recognizer = make_recognizer(self.asr, device="cpu", runs_on=device)
         recognizer = self._recognizer
         transcripts, rates = [], []
         # Whisper on rank 0's GPU only while it transcribes (pocketsphinx has no model to move).

@@ -57,14 +57,16 @@ class WhisperRecognizer:
     tokens, in equal windows of at most 30 s: cut at 30 s, a generation that runs on would be scored on
     its first 30 s only."""
 
-    def __init__(self, model: str, *, device: str = "cpu", max_new_tokens: int = 128) -> None:
+    def __init__(
+        self, model: str, *, device: str = "cpu", max_new_tokens: int = 128, dtype: torch.dtype = torch.float32
+    ) -> None:
         from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
         self.name = model
         self.device = device
         self.max_new_tokens = max_new_tokens
         self.processor = WhisperProcessor.from_pretrained(model)
-        self.model = WhisperForConditionalGeneration.from_pretrained(model).to(device).eval()
+        self.model = WhisperForConditionalGeneration.from_pretrained(model, dtype=dtype).to(device).eval()
         # Long-form decoding needs the timestamp tokens (every openai/whisper-* checkpoint has them).
         self.has_timestamps = getattr(self.model.generation_config, "no_timestamps_token_id", None) is not None
 
@@ -88,9 +90,18 @@ class WhisperRecognizer:
         return str(self.processor.batch_decode(ids, skip_special_tokens=True)[0]).strip()
 
 
-def make_recognizer(spec: str, *, device: str = "cpu") -> Recognizer:
-    """``pocketsphinx``, else a Whisper checkpoint's hub name or folder."""
-    return PocketsphinxRecognizer() if spec == "pocketsphinx" else WhisperRecognizer(spec, device=device)
+def whisper_dtype(device: str) -> torch.dtype:
+    """bf16 where Whisper will run on a GPU (half the memory: whisper-large-v3 2.9 instead of 5.8 GiB,
+    on rank 0's GPU while the samples are scored), fp32 on the CPU (no fast bf16 there)."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def make_recognizer(spec: str, *, device: str = "cpu", runs_on: str | None = None) -> Recognizer:
+    """``pocketsphinx``, else a Whisper checkpoint's hub name or folder, loaded on ``device`` in the
+    dtype for the device it will run on (``runs_on``, default ``device``: `whisper_dtype`)."""
+    if spec == "pocketsphinx":
+        return PocketsphinxRecognizer()
+    return WhisperRecognizer(spec, device=device, dtype=whisper_dtype(runs_on or device))
 
 
 def normalize(text: str) -> str:

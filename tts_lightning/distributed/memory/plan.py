@@ -476,9 +476,9 @@ def _checkpoint_phases(shape: ModelShape, settings: PlanSettings, states: _State
 
 
 def asr_model_bytes(asr: str | None) -> int:
-    """fp32 bytes of the samples' Whisper model when ``asr`` is a local folder (`WhisperRecognizer`
-    loads it in fp32), read from its safetensors headers; 0 for none, pocketsphinx (CPU) or a hub
-    name (not read here: the plan says it is not counted)."""
+    """bf16 bytes of the samples' Whisper model when ``asr`` is a local folder (on a GPU
+    `make_recognizer` loads it in bf16: `whisper_dtype`), read from its safetensors headers; 0 for
+    none, pocketsphinx (CPU) or a hub name (not read here: the plan says it is not counted)."""
     folder = Path(asr).expanduser() if asr and asr != "pocketsphinx" else None
     if folder is None or not folder.is_dir():
         return 0
@@ -487,7 +487,7 @@ def asr_model_bytes(asr: str | None) -> int:
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            total += 4 * sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            total += 2 * sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     return total
 
 
