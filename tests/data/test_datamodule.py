@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import shutil
 from dataclasses import replace
@@ -444,6 +445,14 @@ def test_icl_references_are_other_training_clips_of_the_speaker_and_bad_layouts_
     here = data.prepared_index.clips
     moved = [replace(c, audio=f"/elsewhere/{c.speaker}/{Path(c.audio).name}") for c in here]
     assert choose_references(moved, seed=3) == choose_references(here, seed=3)
+    # The choice of checkpoints written before the pool stopped being copied per clip (quadratic in the
+    # clips of a speaker): random.choice over the speaker's other training clips.
+    train = [i for i, c in enumerate(here) if c.split == "train"]
+    copied = [
+        random.Random(f"3:{c.content_hash}").choice([j for j in train if j != i and here[j].speaker == c.speaker])
+        for i, c in enumerate(here)
+    ]
+    assert choose_references(here, seed=3) == copied
 
     with pytest.raises(ConfigError, match=r"^data.layout 'instruct' \(streaming=False\) is not offered"):
         make(tiny_dir, prepared, layout="instruct")

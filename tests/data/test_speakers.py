@@ -124,6 +124,13 @@ def test_reference_selection(demo_accepted):
     refs = select_references(bare, ["alice"], num_reference_clips=2)
     assert [r.path.name for r in refs["alice"]] == ["alice_000.flac", "alice_001.flac"]
 
+    # Records that each name a reference of their own (the clip itself): at most num_reference_clips,
+    # by path, not one per clip (thousands at scale, each embedded and loaded by the samples callback).
+    own = [replace(c, record=replace(c.record, ref_audio=c.record.audio)) for c in reversed(demo_accepted)]
+    refs = select_references(own, ["alice", "bob"], num_reference_clips=3)
+    assert [r.path.name for r in refs["alice"]] == ["alice_000.flac", "alice_001.flac", "alice_002.flac"]
+    assert [r.path.name for r in refs["bob"]] == ["bob_000.flac", "bob_001.flac", "bob_002.flac"]
+
 
 def test_a_truncated_speaker_part_is_computed_again_and_never_left_behind(tiny_dir, tmp_path, monkeypatch):
     """What a rank killed while writing its speaker part (or a damaged disk) leaves: `embed_speakers`

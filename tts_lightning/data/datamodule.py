@@ -94,8 +94,8 @@ class SpeakerClipsDataModule(LightningDataModule):
             (and never past ``max_duration``; a longer cue is rejected, not cut).
         normalize: None, "peak" or "rms" loudness normalisation before encoding.
         trim_silence: trim leading/trailing silence before encoding.
-        num_reference_clips: clips averaged for a speaker's embedding when its records give no
-            ``ref_audio``.
+        num_reference_clips: clips averaged for a speaker's embedding, the first by path of the
+            ``ref_audio`` files its records name, else of its clips.
         encode_batch_size: clips per speech-tokenizer call while preparing.
         encode_batch_seconds: and seconds of audio per call at most (the encoder's activations
             grow with them: about 0.026 GiB a second in fp32 at the released tokenizer's size,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from tts_lightning.data.prepared_index import PreparedClip
@@ -25,15 +26,31 @@ from tts_lightning.model.layouts import (
 )
 
 
+class _AllBut(Sequence[int]):
+    """``items`` without the one at position ``skip`` (None: all of them), not copied: a clip's pool of
+    references is its speaker's training clips but itself, and copying it per clip was quadratic."""
+
+    def __init__(self, items: list[int], skip: int | None) -> None:
+        self.items, self.skip = items, skip
+
+    def __len__(self) -> int:
+        return len(self.items) - (self.skip is not None)
+
+    def __getitem__(self, k):  # random.choice indexes with an int
+        return self.items[k + (self.skip is not None and k >= self.skip)]
+
+
 def choose_references(clips: list[PreparedClip], seed: int) -> list[int]:
     """For clip i, the index of its reference clip: a training clip of the same speaker, not i."""
     train: dict[str, list[int]] = defaultdict(list)
+    position: dict[int, int] = {}  # a training clip's place in its speaker's list
     for i, c in enumerate(clips):
         if c.split == "train":
+            position[i] = len(train[c.speaker])
             train[c.speaker].append(i)
     chosen: list[int] = []
     for i, c in enumerate(clips):
-        pool = [j for j in train[c.speaker] if j != i]
+        pool = _AllBut(train[c.speaker], position.get(i))
         if not pool:
             raise ConfigError(
                 f"data.layout 'icl': speaker {c.speaker!r} has no other training clip to serve as the "

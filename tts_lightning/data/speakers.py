@@ -9,8 +9,8 @@ Unlike the official recipe, references may have any sample rate, channel count a
 read with `tts_lightning.data.audio` (mono, 24 kHz), encoded on its own, and the per-clip embeddings
 are averaged in fp32.
 
-References of a speaker: the ``ref_audio`` files its records name, when any do; otherwise its first
-``num_reference_clips`` accepted clips sorted by path.
+References of a speaker: the first ``num_reference_clips`` (by path) of the ``ref_audio`` files its
+records name, when any do; otherwise of its accepted clips.
 
 Embeddings are cached in ``<cache_dir>/speakers/<model_id>.pt`` (``model_id``: hash of the speaker
 encoder's weights and config) as ``{"speakers": [names], "embeddings": (N, D) fp32, "keys": [...]}``.
@@ -156,13 +156,18 @@ def weight_files(info: PretrainedInfo) -> list[Path]:
     return [info.path / "model.safetensors"]
 
 
+_WARNED: set[tuple[str, int]] = set()  # (speaker, references named): said once per process
+
+
 def select_references(
     clips: Iterable[AcceptedClip],
     speakers: Sequence[str],
     num_reference_clips: int = 3,
 ) -> dict[str, list[SpeakerReference]]:
-    """Each speaker's reference files: the ``ref_audio`` its records name (all distinct ones), else
-    its first ``num_reference_clips`` accepted clips sorted by path."""
+    """Each speaker's reference files, at most ``num_reference_clips``, by path: the ``ref_audio``
+    files its records name, else its accepted clips. Records that name a reference of their own
+    (e.g. each clip itself) would otherwise make thousands: every one embedded, and loaded at once
+    by the samples callback to score against."""
     if num_reference_clips <= 0:
         raise ValueError(f"num_reference_clips must be positive, got {num_reference_clips}")
     by_speaker: dict[str, list[AcceptedClip]] = {s: [] for s in speakers}
@@ -174,7 +179,17 @@ def select_references(
     for speaker in speakers:
         own = by_speaker[speaker]
         refs = sorted({c.record.ref_audio for c in own if c.record.ref_audio is not None}, key=str)
+        if len(refs) > num_reference_clips and (speaker, len(refs)) not in _WARNED:
+            _WARNED.add((speaker, len(refs)))
+            logger.warning(
+                "speaker %r: its records name %d reference clips (ref_audio); its embedding averages the first %d "
+                "by path (data.num_reference_clips)",
+                speaker,
+                len(refs),
+                num_reference_clips,
+            )
         if refs:
+            refs = refs[:num_reference_clips]
             out[speaker] = [SpeakerReference(p, known.get(p) or sha256_file(p)) for p in refs]
         else:
             chosen = sorted(own, key=lambda c: str(c.record.audio))[:num_reference_clips]
