@@ -182,3 +182,44 @@ def test_warmup_ratio_is_a_fraction_of_the_run(tiny_dir):
     module.trainer = L.Trainer(max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False)
     with pytest.raises(ConfigError, match="max_steps or trainer.max_epochs"):
         module.configure_optimizers()
+
+
+def test_a_resumed_run_adopts_a_changed_speaker_embedding_and_says_so(tiny_dir, make_datamodule, tmp_path, recwarn):
+    """The checkpoint's speaker table against the prepared one at a resume: equal, nothing is said;
+    a speaker whose references changed since (here: the checkpoint's row edited, as a run prepared
+    with other reference clips would hold) gets the prepared embedding, which the batches carry and
+    export writes, with a warning naming it."""
+    import lightning as L
+
+    from tts_lightning.model.checkpoint import load_training_checkpoint
+
+    torch.set_num_threads(1)
+
+    def fit(steps, ckpt_path=None, root=tmp_path / "run"):
+        data = make_datamodule()
+        module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
+            logger=False, default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(root, filename="{step}", every_n_train_steps=1)],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return data.speaker_embeddings(), module
+
+    prepared, module = fit(1)
+    first = tmp_path / "run" / "step=1.ckpt"
+    held = load_training_checkpoint(first).state_dict["speaker_embeddings"]
+    filled = [row for row in range(len(held)) if held[row].abs().sum() > 0]  # the speakers step 1 saw
+    assert filled and all(torch.equal(held[row], prepared[row]) for row in filled)
+    recwarn.clear()
+    fit(2, first, tmp_path / "again")
+    assert not [w for w in recwarn if "prepared embedding differs" in str(w.message)]
+
+    checkpoint = torch.load(first, weights_only=False)
+    checkpoint["state_dict"]["speaker_embeddings"][filled[0]] += 0.5  # as from other references
+    edited = tmp_path / "edited.ckpt"
+    torch.save(checkpoint, edited)
+    name = module.speakers[filled[0]]
+    with pytest.warns(UserWarning, match=rf"speaker\(s\) '{name}': the prepared embedding differs from the one"):
+        _, resumed = fit(2, edited, tmp_path / "resumed")
+    assert torch.equal(resumed.speaker_embeddings[filled[0]], prepared[filled[0]])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
@@ -310,6 +311,38 @@ class Qwen3TTSModule(TrainAccuracyLogging):
                 f"checkpoint lacks {len(missing)} trainable tensor(s) of this adapter setting, "
                 f"e.g. {missing[:3]} (was it trained with another `adapter`?)"
             )
+
+    def on_train_start(self) -> None:
+        self._adopt_prepared_speakers()
+
+    @torch.no_grad()
+    def _adopt_prepared_speakers(self) -> None:
+        """After a resume (every strategy has restored by now): the speaker table the checkpoint
+        holds against the data's prepared one. They differ when a speaker's references or the
+        speaker encoder changed since the checkpoint was written; the batches now carry the prepared
+        embeddings, so the table takes them (export writes the table), with a warning naming the
+        speakers: the steps before trained with the old ones."""
+        datamodule: Any = getattr(self.trainer, "datamodule", None)
+        if self.speaker_codec_ids is not None or not hasattr(datamodule, "speaker_embeddings"):
+            return
+        table = self.speaker_embeddings
+        held = table.cpu()
+        prepared = dict(zip(datamodule.speaker_names, datamodule.speaker_embeddings()))
+        changed = [
+            (row, name)
+            for row, name in enumerate(self.speakers)
+            if name in prepared and held[row].abs().sum() > 0 and not torch.equal(held[row], prepared[name])
+        ]
+        if not changed:
+            return
+        for row, name in changed:
+            table[row] = prepared[name].to(table.device, table.dtype)
+        names = ", ".join(repr(name) for _, name in changed)
+        rank_zero_warn(
+            f"speaker(s) {names}: the prepared embedding differs from the one the checkpoint trained with (their "
+            "reference clips, data.num_reference_clips or the speaker encoder changed since); training goes on with "
+            "the prepared one, which export writes"
+        )
 
     # -- steps -------------------------------------------------------------------------------
     def forward(self, batch: TalkerBatch) -> LossOutput:
