@@ -194,10 +194,14 @@ def _to_codes(value: Any) -> ManifestCodes:
             raise ValueError(f"audio_codes frames have different widths ({width} and {len(frame)})")
     shape = (len(value), int(width or 0))
     bounds = np.iinfo(np.int32)
-    if any(not bounds.min <= c <= bounds.max for frame in value for c in frame):
+    try:
+        codes = np.array(value, dtype=np.int64).reshape(shape)
+    except OverflowError:
+        codes = None
+    if codes is None or (codes.size and (codes.min() < bounds.min or codes.max() > bounds.max)):
         raise ValueError("audio_codes values must be codec codes (32-bit integers)")
     # Their range against the codebook is the codec cache's check (`check_codes`), as for encoded ones.
-    return ManifestCodes(np.array(value, dtype=np.int32).reshape(shape).tobytes(), shape)
+    return ManifestCodes(codes.astype(np.int32).tobytes(), shape)
 
 
 def read_jsonl(path: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -155,19 +156,17 @@ def synthesize(
     if streaming is not None:
         kwargs["non_streaming_mode"] = not streaming
     if info.tts_model_type == "custom_voice":
-        speak = lambda batch: model.generate_custom_voice(text=batch, speaker=speaker, language=language, **kwargs)  # noqa: E731
+        speak = partial(model.generate_custom_voice, speaker=speaker, language=language, **kwargs)
     else:
-        prompt = model.create_voice_clone_prompt(
+        prompt = model.create_voice_clone_prompt(  # made once, for every batch
             ref_audio=str(Path(ref_audio).expanduser()),  # type: ignore[arg-type]  # checked above
             ref_text=ref_text,
             x_vector_only_mode=ref_text is None,
         )
-        speak = lambda batch: model.generate_voice_clone(  # noqa: E731
-            text=batch, language=language, voice_clone_prompt=prompt, **kwargs
-        )
+        speak = partial(model.generate_voice_clone, language=language, voice_clone_prompt=prompt, **kwargs)
     wavs: list[np.ndarray] = []
     sample_rate = 0
     for start in range(0, len(texts), batch_size):
-        spoken, sample_rate = speak(texts[start : start + batch_size])
+        spoken, sample_rate = speak(text=texts[start : start + batch_size])
         wavs.extend(spoken)
     return wavs, sample_rate

@@ -72,7 +72,7 @@ class MemoryPlan:
     samples_model: int = 0  # rank 0: the generation copy of the model, compute dtype
     samples_cache: int = 0  # rank 0: the talker's KV cache for all sampled rows
     speech_tokenizer: int = 0  # rank 0: the speech tokenizer on the GPU while it decodes (fp32)
-    asr_model: int = 0  # rank 0: the samples' Whisper model on the GPU while it transcribes (fp32)
+    asr_model: int = 0  # rank 0: the samples' Whisper model on the GPU while it transcribes (bf16)
     samples_total: int = 0  # rank 0 at the sampling peak (training activations are gone then)
     samples_at_start: bool = False  # the samples' baseline / held-out round at fit start counts in `startup`
     adapter: dict | None = None  # LoRA settings (`tts_lightning.model.lora.LoRASettings`), if any
