@@ -68,7 +68,11 @@ def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outp
     assert "runs/tiny-cpu/hello_alice.wav" in outputs["synthesize"]
 
 
-def test_fit_without_checkpointing_writes_no_checkpoint(workspace, run_cli):
+def test_fit_without_checkpointing_or_logger_writes_neither(workspace, run_cli):
+    """``--trainer.logger false`` drops the default LearningRateMonitor (Lightning refuses it
+    without a logger) and ``--trainer.enable_checkpointing false`` the `checkpoint:` callback."""
+    logs = workspace / "runs" / "tiny-cpu" / "tensorboard"  # the config's logger (the demo's run writes there)
+    before = sorted(logs.rglob("*"))
     proc = run_cli(
         "fit",
         "--config",
@@ -85,15 +89,16 @@ def test_fit_without_checkpointing_writes_no_checkpoint(workspace, run_cli):
         "false",
         "--trainer.default_root_dir",
         "runs/no-ckpt",
-        "--trainer.logger.init_args.save_dir",
-        "runs/no-ckpt",
+        "--trainer.logger",
+        "false",
         cwd=workspace,
         timeout=600,
     )
     out = proc.stdout + proc.stderr
-    assert "checkpoints: none (checkpointing is off)" in out and "step 2/2" in out
+    assert "checkpoints: none (checkpointing is off)" in out and "step 2/2" in out and "logs:" not in out
     assert not list((workspace / "runs" / "no-ckpt").rglob("*.ckpt"))
     assert not (workspace / "runs" / "no-ckpt" / "checkpoints").exists()
+    assert sorted(logs.rglob("*")) == before
 
 
 def test_quiet_output_drops_only_the_known_banners(capfd):

@@ -195,11 +195,16 @@ class TTSLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any):
         """The trainer, with the `checkpoint:` ModelCheckpoint only while checkpointing is on:
         ``--trainer.enable_checkpointing false`` turns it off (Lightning refuses a ModelCheckpoint
-        callback when checkpointing is disabled)."""
+        callback when checkpointing is disabled), and the default `LearningRateMonitor` only with
+        a logger (Lightning refuses it with ``--trainer.logger false``: nothing to write to)."""
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         keys = self._parser(self.subcommand).callback_keys
         if trainer_config.get("enable_checkpointing") is False:
             keys = [k for k in keys if k != "checkpoint"]
+        if trainer_config.get("logger") is False:  # the defaults are appended to the config's callbacks
+            defaults = self.trainer_defaults.get("callbacks") or []
+            kept = [c for c in defaults if not isinstance(c, LearningRateMonitor)]
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": kept}
         return self._instantiate_trainer(trainer_config, [self._get(self.config_init, k) for k in keys])
 
 
