@@ -80,8 +80,9 @@ def _site() -> str:
 
 
 class _Step:
-    def __init__(self, step: int, host_tensors: Callable[[], set[int]]) -> None:
+    def __init__(self, step: int, host_tensors: Callable[[], set[int]], padded: bool) -> None:
         self.step = step  # the optimizer step this batch makes (1-based: Lightning's logging count)
+        self.padded = padded  # whether the step's batch pads an example (the collate's TalkerBatch.padded)
         self.host_tensors = host_tensors  # ids of tensors that stay on the host on a GPU too
         self.sites: Counter[str] = Counter()  # where the scalar reads and copies come from
         self.scalar_reads = 0
@@ -95,7 +96,8 @@ class _Step:
 
     def __repr__(self) -> str:
         return (
-            f"step {self.step}: {self.scalar_reads} scalar reads, {dict(self.host_copies)} copies, "
+            f"step {self.step} ({'padded' if self.padded else 'unpadded'}): {self.scalar_reads} scalar reads, "
+            f"{dict(self.host_copies)} copies, "
             f"{self.barriers} barriers, {self.shape_reads} shape reads, from {dict(self.sites)}"
         )
 
@@ -124,7 +126,7 @@ class HostReads(L.Callback):
         def steps() -> set[int]:
             return {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
 
-        record = _Step(trainer.global_step + 1, steps)
+        record = _Step(trainer.global_step + 1, steps, batch.padded)
         self.steps.append(record)
         self._modes = (_Function(record), _Dispatch(record))
         self._modes[0].__enter__()

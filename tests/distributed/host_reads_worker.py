@@ -40,7 +40,8 @@ def main(pretrained: str, manifest: str, cache: str, out: str, log_every: str) -
     )
     trainer.fit(Qwen3TTSModule(pretrained, speakers=data.speaker_names), datamodule=data)
     steps = [
-        {"step": r.step, "syncs": r.syncs, "sites": dict(r.sites), "shape_reads": r.shape_reads} for r in reads.steps
+        {"step": r.step, "padded": r.padded, "syncs": r.syncs, "sites": dict(r.sites), "shape_reads": r.shape_reads}
+        for r in reads.steps
     ]
     Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(steps))
 

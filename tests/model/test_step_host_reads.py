@@ -17,6 +17,7 @@ from tts_lightning.cli import StepProgressBar
 
 LOG_EVERY = 3
 TRANSFORMERS_MASK_CHECK = " _ignore_causal_mask_sdpa"  # transformers/masking_utils.py
+SIGTERM_CHECK = " _broadcast_sigterm_tensor"  # lightning/pytorch/loops/training_epoch_loop.py
 
 
 def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, tmp_path):
@@ -42,9 +43,13 @@ def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, t
     print(*reads.steps, sep="\n")
     assert [r.step for r in reads.steps] == list(range(1, 2 * LOG_EVERY + 1))
     quiet = [r for r in reads.steps if r.step % LOG_EVERY]
-    # One read remains, in transformers: whether the 2D attention mask pads anything, asked once per
-    # talker forward (docs/architecture.md, "Host reads in a training step").
-    assert quiet and all(r.syncs == 1 and next(iter(r.sites)).endswith(TRANSFORMERS_MASK_CHECK) for r in quiet), quiet
+    # A padded batch reads nothing; a batch with nothing padded leaves transformers one read: whether
+    # the 2D attention mask pads anything, asked once per talker forward (docs/architecture.md,
+    # "Host reads in a training step").
+    assert {r.padded for r in quiet} == {True, False}, quiet  # the demo's batches at 150 frames have both
+    assert all(r.syncs == 0 for r in quiet if r.padded), quiet
+    unpadded = [r for r in quiet if not r.padded]
+    assert all(r.syncs == 1 and next(iter(r.sites)).endswith(TRANSFORMERS_MASK_CHECK) for r in unpadded), quiet
     # Only transformers' SDPA mask check (one per talker forward) selects by data (docs/architecture.md).
     assert all(r.shape_reads == 0 for r in reads.steps), reads.steps
     logged = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
@@ -65,12 +70,12 @@ def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, ru
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [s["step"] for s in steps] == list(range(1, 2 * LOG_EVERY + 1)), steps
         quiet = [s for s in steps if s["step"] % LOG_EVERY]
-        # Lightning's own: every step of a multi-process run broadcasts and reads a SIGTERM flag.
-        allowed = {TRANSFORMERS_MASK_CHECK, " _broadcast_sigterm_tensor"}
-        assert all(
-            s["syncs"] == 2 and sorted(site[site.rindex(" ") :] for site in s["sites"]) == sorted(allowed)
-            for s in quiet
-        ), (rank, quiet)
+        # Lightning's own: every step of a multi-process run broadcasts and reads a SIGTERM flag; and
+        # transformers' mask check where the batch pads nothing.
+        for s in quiet:
+            expected = [SIGTERM_CHECK] if s["padded"] else sorted([TRANSFORMERS_MASK_CHECK, SIGTERM_CHECK])
+            assert s["syncs"] == len(expected), (rank, quiet)
+            assert sorted(site[site.rindex(" ") :] for site in s["sites"]) == expected, (rank, quiet)
         assert all(s["shape_reads"] == 0 for s in steps), (rank, steps)
 
 
@@ -98,3 +103,42 @@ def test_codebook_accuracy_equals_torchmetrics(tiny_dir, make_datamodule):
         reference = MulticlassAccuracy(logits.shape[-1], top_k=1, average="micro", ignore_index=-100)
         torch.testing.assert_close(accuracy[j], reference(logits, targets), rtol=0, atol=1e-7)
         assert int(counted[j]) == targets.numel()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_padded_batch_attends_with_transformers_mask_and_the_same_bits(attention, tiny_dir, make_datamodule):
+    """The talker's mask for a padded batch, built without transformers' check, is the one
+    transformers builds from the 2D mask for the configured attention: the same tensor, and the
+    same loss and gradients bit for bit (`padded=False` sends the 2D mask through transformers' own
+    path)."""
+    import dataclasses
+
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    from tts_lightning.model.loss import compute_loss, talker_attention_mask
+
+    data = make_datamodule(max_frames_per_batch=2000)  # all 20 clips in one batch
+    data.setup("fit")
+    module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, attn_implementation=attention)
+    module.configure_model()
+    talker = module.talker
+    assert talker.model.config._attn_implementation == attention
+    (batch,) = list(data.train_dataloader())
+    assert batch.padded and bool((batch.attention_mask == 0).any())
+    S = batch.attention_mask.shape[1]
+    theirs = create_causal_mask(
+        talker.model.config, torch.zeros(len(batch), S, 1), batch.attention_mask, torch.arange(S), None
+    )
+    assert theirs is not None and torch.equal(talker_attention_mask(talker, batch, torch.float32), theirs)
+
+    def loss_and_grads(b):
+        talker.zero_grad(set_to_none=True)
+        loss = compute_loss(talker, b).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in talker.parameters() if p.grad is not None]
+
+    prepared, transformers_path = loss_and_grads(batch), loss_and_grads(dataclasses.replace(batch, padded=False))
+    assert torch.equal(prepared[0], transformers_path[0])
+    assert len(prepared[1]) == len(transformers_path[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(prepared[1], transformers_path[1], strict=True))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
 from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, embed_batch
 
@@ -39,14 +40,40 @@ class LossOutput:
     predictor_targets: Tensor  # (N_f, G-1)
 
 
+def talker_attention_mask(talker, batch: TalkerBatch, dtype: torch.dtype) -> Tensor:
+    """The mask the talker attends with. For a padded batch, the (B, 1, S, S) causal padding mask
+    transformers builds from the 2D one (`create_causal_mask`, the configured attention's mask
+    function), built here because the collate knows the batch is padded: transformers first asks
+    the device whether anything is (`_ignore_causal_mask_sdpa`: ``padding_mask.all()``, a host wait
+    per forward on a GPU). Same mask, same kernel, same bits. A batch with nothing padded keeps the
+    2D mask, from which transformers gives SDPA no mask (its ``is_causal`` kernel): only its check
+    makes that choice (with no mask at all, the talker's position ids make it build a
+    packed-sequence mask, another kernel). Sliding-window talkers keep the 2D mask too."""
+    config = talker.model.config
+    if not batch.padded or getattr(config, "sliding_window", None) is not None:
+        return batch.attention_mask
+    B, S = batch.attention_mask.shape
+    return ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation](
+        batch_size=B,
+        cache_position=torch.arange(S, device=batch.attention_mask.device),
+        kv_length=S,
+        kv_offset=0,
+        mask_function=causal_mask_function,
+        attention_mask=batch.attention_mask.bool(),
+        allow_is_causal_skip=False,
+        dtype=dtype,
+        config=config,
+    )
+
+
 def talker_hidden_states(talker, batch: TalkerBatch) -> Tensor:
     """Last hidden states (B, S, D) of the talker over the whole teacher-forced sequence."""
     inputs_embeds = embed_batch(talker, batch)
-    # Always pass the mask: without it transformers treats position jumps as packed sequences.
+    # Always pass a mask: without it transformers treats position jumps as packed sequences.
     position_ids, _ = talker.get_rope_index(batch.attention_mask)
     out = talker.model(
         inputs_embeds=inputs_embeds,
-        attention_mask=batch.attention_mask,
+        attention_mask=talker_attention_mask(talker, batch, inputs_embeds.dtype),
         position_ids=position_ids,
         use_cache=False,
     )

@@ -186,20 +186,26 @@ class TalkerBatch:
     # found by the collate on the host: selecting with a mask on a GPU reads its count back (a stall).
     target_index: Tensor  # where labels != IGNORE_INDEX
     frame_index: Tensor  # where frame_mask
+    # Whether any example is shorter than the batch (a host bool from the collate): the talker then
+    # attends with a mask built without asking the device (tts_lightning/model/loss.py).
+    padded: bool
+
+    def _map(self, fn) -> TalkerBatch:
+        return TalkerBatch(
+            **{f.name: fn(v) if isinstance(v := getattr(self, f.name), Tensor) else v for f in fields(self)}
+        )
 
     def to(self, device) -> TalkerBatch:
         """On ``device``. To a GPU the copies do not block the host (from pinned memory they run
         asynchronously; Lightning moves a batch type of its own with ``to(device)`` alone); back to
         the host they do, so the values are there when read."""
         non_blocking = torch.device(device).type == "cuda"
-        return TalkerBatch(
-            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> TalkerBatch:
         """Page-locked copies: the DataLoader's ``pin_memory=True`` (set on GPU runs) calls this for
         a batch type of its own; without it the batch stayed pageable. Checked by gpu_check.sh."""
-        return TalkerBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return self._map(Tensor.pin_memory)
 
     @property
     def num_frames(self) -> Tensor:
@@ -235,6 +241,7 @@ def collate(
         codes=torch.zeros(B, F, G, dtype=torch.long),
         target_index=torch.zeros(0, 2, dtype=torch.long),  # filled below, from the masks
         frame_index=torch.zeros(0, 2, dtype=torch.long),
+        padded=any(s.text_ids.shape[0] < S for s in sequences),
     )
     for b, s in enumerate(sequences):
         n, t = s.text_ids.shape[0], s.codes.shape[0]
