@@ -79,11 +79,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in LIGHTNING_COMMANDS:
 
         def lightning() -> int:
-            from tts_lightning.cli import cli_main
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-            # From the command line LightningCLI reads sys.argv itself (given args, it warns that
-            # they are meant for calls from Python).
-            cli_main(None if from_command_line else argv)
+            from tts_lightning.cli import cli_main
+            from tts_lightning.distributed.sigterm import EXIT_STATUS
+
+            try:
+                # From the command line LightningCLI reads sys.argv itself (given args, it warns that
+                # they are meant for calls from Python).
+                cli_main(None if from_command_line else argv)
+            except SIGTERMException:  # a SystemExit without a status: it would exit 0
+                print(
+                    f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; the checkpoints written "
+                    "so far are kept: resume with --ckpt_path last",
+                    file=sys.stderr,
+                )
+                return EXIT_STATUS
             return 0
 
         # In a run of several processes each one that fails says so; Lightning has already

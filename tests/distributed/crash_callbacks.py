@@ -1,7 +1,8 @@
-"""A callback the resume test puts into a real `tts-lightning fit` run (imported by the ranks
+"""Callbacks the resume tests put into a real `tts-lightning fit` run (imported by the ranks
 through PYTHONPATH)."""
 
 import os
+import signal
 
 from lightning.pytorch import Callback
 
@@ -17,3 +18,21 @@ class CrashAt(Callback):
         if trainer.global_step == self.step:
             print(f"[CrashAt] rank {trainer.global_rank} exits at global_step {self.step}", flush=True)
             os._exit(1)
+
+
+class SigtermAt(Callback):
+    """Rank ``rank`` gets SIGTERM inside the backward of optimizer step ``step + 1`` (where Lightning's
+    own handler would broadcast while the other rank is in an FSDP collective); every rank must
+    stop before the next batch and exit with the SIGTERM status."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            print(f"[SigtermAt] SIGTERM to rank {self.rank} at global_step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        rank, step, name = trainer.global_rank, trainer.global_step, type(exception).__name__
+        print(f"[SigtermAt] rank {rank} stops after global_step {step}: {name}", flush=True)

@@ -1,0 +1,68 @@
+"""SIGTERM stops a training run before the next batch, the same batch on every rank.
+
+SIGTERM is how schedulers preempt a job (SLURM, Kubernetes) and how torchrun and Lightning's own
+launcher pass a stop on to the ranks. Lightning 2.6's handler broadcasts a flag from inside the
+signal handler, wherever the signal lands: in the backward, say, while the other ranks are inside
+an FSDP collective, so the two collectives meet each other (a hang until the process group's
+timeout, or gloo's "collective mismatch"); and its loop stops each rank at the end of the batch in
+which that rank saw the signal, a different batch where ranks see it at different times.
+
+`StopOnSigterm` (a mixin of the FSDP strategies) keeps Lightning's handlers but swaps its notifier
+for one that only notes the signal and, like Lightning's, passes it on to the processes Lightning
+started. At the start of each training batch the ranks learn whether any of them has noted it
+(an all-reduce over `host_group`: host memory, so no wait for the GPU) and, if one has, all stop
+there, as Lightning stops (its `SIGTERMException`). The checkpoints already written stay;
+`tts-lightning` then exits with `EXIT_STATUS` and one line (`tts_lightning.__main__`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+
+EXIT_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+
+
+class StopOnSigterm:
+    """Mixin for a Lightning strategy: SIGTERM stops training before the same batch on every rank
+    (module docstring)."""
+
+    _sigterm_noted = False
+    sigterm_flag: torch.Tensor | None = None  # the all-reduced flag: host memory on every device
+
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        self._sigterm_noted = False
+        self.sigterm_flag = torch.zeros(1, dtype=torch.int32)
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if threading.current_thread() is not threading.main_thread():
+            return  # no signal handlers outside the main thread (Lightning registers none either)
+        handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+        notifier = trainer._signal_connector._sigterm_notifier_fn
+        if handlers is None or notifier not in handlers:
+            return  # not Lightning's handlers (Windows, or someone replaced them): left alone
+        handlers[handlers.index(notifier)] = self._note_sigterm
+
+    def _note_sigterm(self, signum: int, frame: Any) -> None:
+        launcher = self.launcher  # type: ignore[attr-defined]
+        if not self._sigterm_noted and launcher is not None:
+            launcher.kill(signum)  # the ranks Lightning started get it too, as with Lightning's notifier
+        self._sigterm_noted = True
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        noted = self._sigterm_noted
+        if self.world_size > 1 and self.sigterm_flag is not None:  # type: ignore[attr-defined]
+            from tts_lightning.distributed.rank_local_state import host_group
+
+            self.sigterm_flag.fill_(int(noted))
+            torch.distributed.all_reduce(self.sigterm_flag, op=torch.distributed.ReduceOp.MAX, group=host_group())
+            noted = bool(self.sigterm_flag.item())  # a host tensor: no wait for the GPU
+        if noted:  # every rank, at the start of the same batch
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            self.lightning_module.trainer._signal_connector.received_sigterm = True  # type: ignore[attr-defined]
+            raise SIGTERMException()
