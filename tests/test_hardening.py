@@ -372,3 +372,28 @@ def test_the_next_test_starts_without_it():
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_a_checkpoint_rename_keeps_the_set_aside_one_until_the_new_one_is_in_place(tmp_path):
+    """`atomic._rename`: a file replaces a file in one step; a folder is set aside first, and a
+    set-aside folder without its final one (a save stopped between the two renames, which
+    `--ckpt_path last` resumes from) is kept until the new one is in place."""
+    from tts_lightning.distributed.atomic import _rename
+
+    final, partial, old = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.partial", tmp_path / ".last.ckpt.old"
+    final.write_text("step 4")
+    partial.write_text("step 8")
+    _rename(partial, final, old)
+    assert final.read_text() == "step 8" and not partial.exists() and not old.exists()
+
+    final.unlink()
+    for folder, step in ((old, "step 4"), (partial, "step 8")):  # stopped between the renames, then saved again
+        folder.mkdir()
+        (folder / "meta.pt").write_text(step)
+    _rename(partial, final, old)
+    assert (final / "meta.pt").read_text() == "step 8" and not partial.exists() and not old.exists()
+
+    partial.mkdir()
+    (partial / "meta.pt").write_text("step 12")
+    _rename(partial, final, old)  # an existing folder is set aside, then removed
+    assert (final / "meta.pt").read_text() == "step 12" and not old.exists()

@@ -61,6 +61,10 @@ CASES = [
     ("fit", [*FIT, "--model.adapter.target_modules", "[]"], "model.adapter.target_modules is empty: name the nn.Linear layers to adapt"),
     ("fit", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     pytest.param("fit", [*FIT, "--trainer.accelerator", "gpu"], "No supported gpu backend found!", marks=no_gpu),
+    ("fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder"),
+    ("fit", [*FIT, "--ckpt_path", "{tiny}/model.safetensors"], "ckpt_path {tiny}/model.safetensors is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder"),
+    ("fit", [*FIT, "--ckpt_path", "{work}/tensors.ckpt"], "ckpt_path: {work}/tensors.ckpt is not a Lightning checkpoint (no state_dict): give a checkpoint file or a sharded checkpoint folder"),
+    ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
     ("synthesize", ["--model", "{work}/nope", "--text", "Hi.", "--out", "{work}/x.wav"], NO_PRETRAINED),
@@ -100,6 +104,8 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user-errors")
     shutil.copytree(demo_dir(), root / "demo")
     (root / "broken.yaml").write_text("data: a: b\n")
+    (root / "text.ckpt").write_text("not a checkpoint\n")
+    torch.save({"weights": torch.zeros(2)}, root / "tensors.ckpt")
     (root / "badjson").mkdir()
     (root / "badjson" / "config.json").write_text("{nope\n")
     return root

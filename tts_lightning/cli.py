@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -19,6 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
+from tts_lightning.resume_path import LAST, check_checkpoint, newest_checkpoint
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
@@ -131,14 +134,39 @@ class TTSLightningCLI(LightningCLI):
                 "checkpoint.save_top_k": 2,
                 "checkpoint.filename": "step{step:06d}-val_loss{val/loss:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
+                # A save that a resumed run makes again under the same name replaces the interrupted
+                # run's file (atomically) instead of keeping it, untracked, beside a "-v1" copy.
+                "checkpoint.enable_version_counter": False,
             }
         )
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's: a checkpoint file's hyper-parameters become the model's config. Checked first
+        (a file that is not a checkpoint is one line, not an unpickling error), and read
+        memory-mapped: Lightning's reads the whole file, optimizer state included, into memory in
+        every process before the run starts."""
+        if not self.config.get("subcommand"):
+            return
+        path = self.config[self.config.subcommand].get("ckpt_path")
+        if not path or not Path(path).is_file():
+            return
+        check_checkpoint(path)
+        hparams = dict(torch.load(path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if hparams:
+            if "_class_path" in hparams:
+                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
+
     def _check_ckpt_path(self) -> None:
-        """A ``--ckpt_path`` that names no file or folder fails here, in the launching process,
-        before any other process starts (Lightning would find out on every rank, after the data)."""
+        """A ``--ckpt_path`` that names no checkpoint fails here, in the launching process, before
+        any other process starts (Lightning would find out on every rank, after the data); ``last``
+        is the newest complete checkpoint (`tts_lightning.resume_path`)."""
         path = self.config[self.subcommand].get("ckpt_path")
-        if path is None or str(path) in ("last", "best", "hpc") or "://" in str(path):
+        if str(path) == "last":
+            self._resolve_last()
+            return
+        if path is None or str(path) in ("best", "hpc") or "://" in str(path):
             return
         environment = getattr(self.trainer.strategy, "cluster_environment", None)
         if environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1:
@@ -150,6 +178,21 @@ class TTSLightningCLI(LightningCLI):
             return
         if not os.path.exists(path):
             raise ConfigError(f"ckpt_path {path} does not exist: give a checkpoint file or a sharded checkpoint folder")
+        check_checkpoint(path)
+
+    def _resolve_last(self) -> None:
+        """``--ckpt_path last``: the newest complete checkpoint of the run's folder, said when it is
+        not `last.ckpt` (the run stopped while saving). Every rank resolves it on its own storage;
+        the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
+        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        newest = newest_checkpoint(dirpath) if dirpath else None
+        if newest is None:
+            return  # Lightning starts from step 0, with its warning that there is no last checkpoint
+        if newest.name != LAST and self.trainer.is_global_zero:
+            print(
+                f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
+            )
+        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
 
     def before_fit(self) -> None:
         self._check_ckpt_path()

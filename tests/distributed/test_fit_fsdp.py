@@ -166,11 +166,18 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
             assert f"[SigtermAt] rank {rank} stops after global_step {CRASH + 1}: SIGTERMException" in crashed.stdout
     else:
         assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout
-    saved = load_training_checkpoint(workdir / resumed_dir / "checkpoints" / "last.ckpt")
+    checkpoints = workdir / resumed_dir / "checkpoints"
+    saved = load_training_checkpoint(checkpoints / "last.ckpt")
     assert saved.global_step == EVERY
     assert saved.path.is_dir() == (state_dict_type == "sharded")
+    half_written = state_dict_type == "sharded" and not lean
+    if half_written:  # as if stopped while writing its last.ckpt, after the top-k checkpoint of that step
+        (checkpoints / "last.ckpt").rename(checkpoints / ".last.ckpt.partial")
     resumed_run = cli(*fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, "--ckpt_path", "last"), cwd=workdir)
     assert "Restoring states from the checkpoint path" in resumed_run.stdout + resumed_run.stderr
+    if half_written:  # `last` is the newest complete checkpoint, not a start from step 0
+        assert f"ckpt_path last: resuming from {checkpoints / 'step'}{EVERY:06d}-" in resumed_run.stdout
+        assert not (checkpoints / ".last.ckpt.partial").exists()  # removed by the next save
     straight_dir = request.getfixturevalue("lean_uninterrupted" if lean else "fitted")
     straight_dir = straight_dir if lean else straight_dir[0]
     straight, resumed = final_weights(straight_dir), final_weights(workdir / resumed_dir)
@@ -187,6 +194,27 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
     head = straight.state_dict["model.talker.codec_head.weight"]
     assert head.dtype == (torch.bfloat16 if lean else torch.float32)
     assert not torch.equal(head, _pretrained_codec_head(tiny_dir).to(head.dtype))
+
+
+def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
+    """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: last.ckpt, else
+    the newest top-k one, else a set-aside last (a save stopped between its renames); never a
+    half-written or unreadable one."""
+    from tts_lightning.resume_path import newest_checkpoint
+
+    folder = shutil.copytree(fitted[0] / "checkpoints", tmp_path / "checkpoints")
+    topk = {int(p.name[4:10]): p for p in folder.glob("step*.ckpt")}
+    assert sorted(topk) == [EVERY, STEPS], topk
+    (folder / "broken.ckpt").write_text("not a checkpoint\n")
+    shutil.copytree(folder / "last.ckpt", folder / ".step000099-val_loss1.0000.ckpt.partial")
+    assert newest_checkpoint(folder) == folder / "last.ckpt"  # step STEPS, as the top-k one
+    (folder / "last.ckpt").rename(folder / ".last.ckpt.old")
+    assert newest_checkpoint(folder) == topk[STEPS]
+    shutil.rmtree(topk[STEPS])
+    assert newest_checkpoint(folder) == folder / ".last.ckpt.old"  # step STEPS beats step EVERY
+    shutil.rmtree(folder / ".last.ckpt.old")
+    assert newest_checkpoint(folder) == topk[EVERY]
+    assert newest_checkpoint(tmp_path / "nope") is None
 
 
 def _pretrained_codec_head(tiny_dir):

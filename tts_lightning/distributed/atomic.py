@@ -205,9 +205,13 @@ def _existing_parent(path: Path) -> Path:
 
 
 def _rename(partial: Path, final: Path, old: Path) -> None:
-    _remove(old)
-    if final.exists():
-        os.replace(final, old)  # a folder cannot be replaced in one step
+    """``partial`` becomes ``final``. A file replaces a file in one step; a folder cannot, so the old
+    one is set aside as ``old`` first. A set-aside without its ``final`` is the last complete
+    checkpoint of a save stopped between the renames (`tts_lightning.resume_path` resumes from it):
+    kept until the new one is in place."""
+    if final.exists() and (final.is_dir() or partial.is_dir()):
+        _remove(old)
+        os.replace(final, old)
     os.replace(partial, final)
     _remove(old)
 

@@ -1,0 +1,57 @@
+"""What ``--ckpt_path`` names, checked and resolved before a run starts.
+
+- ``last`` is the newest complete checkpoint of the run's checkpoint folder, by its step: `last.ckpt`
+  normally. `ModelCheckpoint` writes the top-k checkpoint of a step before `last.ckpt`, so a run
+  stopped between the two (or during the first `last.ckpt`) has a newer top-k checkpoint than
+  `last.ckpt`, or none; Lightning then resumed from the older one, or from step 0 with a warning.
+  A checkpoint that a save set aside (``.last.ckpt.old``, `tts_lightning.distributed.atomic`)
+  counts when the checkpoint it stood for is missing. Half-written saves (``.*.partial``) never do.
+- Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
+  checkpoint, is one line, not an unpickling traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tts_lightning.errors import ConfigError
+
+LAST = "last.ckpt"  # Lightning's ModelCheckpoint.CHECKPOINT_NAME_LAST + FILE_EXTENSION
+
+
+def newest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint of ``folder`` with the highest step (``last.ckpt`` among equals); None
+    when there is none."""
+    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    candidates = [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
+    set_aside = folder / f".{LAST}.old"
+    if not (folder / LAST).exists() and set_aside.exists():
+        candidates.append(set_aside)  # a save stopped between its two renames
+    steps = {}
+    for path in candidates:
+        try:
+            steps[path] = CheckpointReader(path).global_step
+        except CheckpointError:
+            continue  # not readable as a checkpoint: never resumed from
+    if not steps:
+        return None
+    return max(steps, key=lambda p: (steps[p], p.name == LAST, p.name))
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """A ``--ckpt_path`` file or folder that is not a checkpoint: one line naming it."""
+    import zipfile
+
+    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
+
+    hint = "give a checkpoint file or a sharded checkpoint folder"
+    if Path(path).is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
+        raise ConfigError(f"ckpt_path {path} is not a checkpoint (not a file torch.save wrote): {hint}")
+    try:
+        CheckpointReader(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"ckpt_path: {exc}: {hint}") from exc
