@@ -42,6 +42,10 @@ NO_PRETRAINED = (
     "pretrained directory '{work}/nope' does not exist: give a Qwen3-TTS 12 Hz directory, a hub id "
     "(Qwen/Qwen3-TTS-12Hz-1.7B-Base) or tiny"
 )
+CLASH = (
+    "speaker names that differ only in case: 'Bob' and 'bob' in {work}/demo/clash.jsonl (an exported model "
+    "looks speakers up in lower case): give each speaker one name, or train on some with --data.speakers"
+)
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU is there")
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
 
@@ -49,6 +53,7 @@ CASES = [
     # fit, validate: the config, read and built before any process starts
     ("fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)"),
     ("fit", [*FIT, "--data.pretrained", "{work}/nope"], NO_PRETRAINED),
+    ("fit", [*FIT, "--data.train_manifest", "{work}/demo/clash.jsonl"], CLASH),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--model.adapter.rank", "8"], "model.adapter: LoRA is not offered from a custom_voice model ({cv}): its speakers are codec-embedding rows that train in full; train without model.adapter"),
     ("fit", [*FIT, "--data.train_manifest", "{work}/nope.jsonl"], "manifest not found: {work}/nope.jsonl"),
     ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
@@ -84,6 +89,7 @@ CASES = [
     ("evaluate", ["--model", "{cv}", "--config", "{work}/broken.yaml", "--out", "{work}/ev"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
     # prepare
     ("prepare", ["--config", "{work}/nope.yaml"], "config {work}/nope.yaml does not exist"),
+    ("prepare", ["--pretrained", "{tiny}", "--train_manifest", "{work}/demo/clash.jsonl", "--cache_dir", "{work}/cache"], CLASH),
     ("prepare", ["--config", "{work}/broken.yaml"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
     ("prepare", ["--pretrained", "{tiny}", "--train_manifest", "{work}/nope.jsonl", "--cache_dir", "{work}/cache"], "manifest not found: {work}/nope.jsonl"),
     # tiny-model, export, plan, ray-fit
@@ -105,6 +111,8 @@ def work(tmp_path_factory) -> Path:
     shutil.copytree(demo_dir(), root / "demo")
     (root / "broken.yaml").write_text("data: a: b\n")
     (root / "text.ckpt").write_text("not a checkpoint\n")
+    lines = (root / "demo" / "train.jsonl").read_text().splitlines()
+    (root / "demo" / "clash.jsonl").write_text("\n".join([lines[0].replace('"alice"', '"Bob"'), *lines[1:]]) + "\n")
     torch.save({"weights": torch.zeros(2)}, root / "tensors.ckpt")
     (root / "badjson").mkdir()
     (root / "badjson" / "config.json").write_text("{nope\n")

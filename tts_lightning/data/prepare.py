@@ -37,6 +37,7 @@ from tts_lightning.data.report_log import ReportLog
 from tts_lightning.data.segments import Segment, cut_subtitled
 from tts_lightning.data.selection import (
     Plan,
+    check_distinct_names,
     check_speakers,
     choose_clips,
     reject_bad_codes,
@@ -130,7 +131,9 @@ class DataPreparer:
 
     def check_requested_speakers(self) -> None:
         """Raise ValueError when the ``speakers`` setting names a speaker the training manifest
-        does not: a quick check, before any process is started (`plan` checks accepted clips)."""
+        does not, or two of the run's speakers differ only in case: a quick check, before any
+        process is started (`plan` checks accepted clips)."""
+        check_distinct_names(self.requested_speakers(), self.settings.train_manifest)
         if self.settings.speakers is None:
             return
         known = self.manifest_speakers()
@@ -230,6 +233,7 @@ class DataPreparer:
         it (once) when ``show_report``. Raises as `prepare` says."""
         s = self.settings
         check_replay(self.info, s.replay_fraction)  # before anything is read: a wrong start is the user's to fix
+        check_distinct_names(self.requested_speakers(), s.train_manifest)  # before anything is written
         ids = SpecialIds.from_config(self.info.config)
         if s.language is not None:  # a wrong setting is the user's to fix at once, not a rejection per clip
             try:

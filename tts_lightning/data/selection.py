@@ -117,12 +117,27 @@ def reject_unknown_languages(report: ValidationReport, ids: SpecialIds, language
     _reject(report, problem)
 
 
+def check_distinct_names(speakers: list[str], manifest: str) -> None:
+    """Raise ValueError when two of the run's speakers differ only in case: a custom_voice model
+    looks its speakers up in lower case, so `export` would refuse the trained run."""
+    by_lower: dict[str, list[str]] = {}
+    for name in speakers:
+        by_lower.setdefault(name.lower(), []).append(name)
+    clashes = [" and ".join(map(repr, names)) for names in by_lower.values() if len(names) > 1]
+    if clashes:
+        raise ValueError(
+            f"speaker names that differ only in case: {'; '.join(clashes)} in {manifest} (an exported model "
+            "looks speakers up in lower case): give each speaker one name, or train on some with --data.speakers"
+        )
+
+
 def check_speakers(
     speakers: list[str], train_manifest: ManifestResult, train: ValidationReport, manifest: str, report_path: Path
 ) -> None:
     """Raise ValueError when a speaker of ``speakers`` has no accepted training clip, naming why
     its clips were rejected and the speakers that have clips (``manifest``: the training manifest
-    as given; ``report_path``: report.json)."""
+    as given; ``report_path``: report.json), or when two names differ only in case."""
+    check_distinct_names(speakers, manifest)
     found = sorted({c.record.speaker for c in train.accepted})
     missing = [name for name in speakers if name not in found]
     if not missing:
