@@ -164,11 +164,14 @@ def test_latin1_metadata_names_file_line_and_byte_and_loads_with_the_encoding(tm
 def test_jsonl_and_transcripts_in_another_encoding(tmp_path: Path, write_tone) -> None:
     manifest = tmp_path / "train.jsonl"
     manifest.write_bytes(
-        (json.dumps({"audio": "a.wav", "text": "ok"}) + "\n" + '{"audio": "b.wav", "text": "Grüße"}\n').encode("cp1252")
+        (json.dumps({"audio": "a.wav", "text": "ok"}) + "\n" + '{"audio": "b.wav", "text": "“Grüße” – bye"}\n').encode(
+            "cp1252"
+        )
     )
-    with pytest.raises(ManifestEncodingError, match=r"train\.jsonl: line 2 .*0xfc"):
+    # A file saved on Windows: the advice is cp1252 (latin-1 reads its quotes and dash as control characters).
+    with pytest.raises(ManifestEncodingError, match=r"train\.jsonl: line 2 .*0x93.*manifest_encoding cp1252"):
         load_manifest(manifest)
-    assert load_manifest(manifest, encoding="cp1252").records[1].text == "Grüße"
+    assert load_manifest(manifest, encoding="cp1252").records[1].text == "“Grüße” – bye"
 
     # A folder: a transcript that is not UTF-8 is a rejection naming its file, line and byte.
     write_tone(tmp_path / "clips" / "x.wav")

@@ -69,7 +69,7 @@ class ManifestEncodingError(ValueError):
         super().__init__(
             f"{path}: line {line} is not valid {encoding}: byte 0x{byte:02x} at byte offset {offset} "
             f"(byte {column} of the line). Re-save the file as UTF-8, or pass its encoding "
-            f"(manifest_encoding, e.g. --data.manifest_encoding latin-1)"
+            f"(manifest_encoding, e.g. --data.manifest_encoding cp1252 for a file saved on Windows)"
         )
 
 
