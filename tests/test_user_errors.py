@@ -54,6 +54,7 @@ CASES = [
     ("fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)"),
     ("fit", [*FIT, "--data.pretrained", "{work}/nope"], NO_PRETRAINED),
     ("fit", [*FIT, "--data.train_manifest", "{work}/demo/clash.jsonl"], CLASH),
+    ("fit", [*FIT, "--data.pretrained", "{work}/damaged"], "{work}/damaged/model.safetensors is damaged or incomplete (Error while deserializing header: incomplete metadata, file not fully covered): download or copy it again"),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--model.adapter.rank", "8"], "model.adapter: LoRA is not offered from a custom_voice model ({cv}): its speakers are codec-embedding rows that train in full; train without model.adapter"),
     ("fit", [*FIT, "--data.train_manifest", "{work}/nope.jsonl"], "manifest not found: {work}/nope.jsonl"),
     ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
@@ -104,11 +105,14 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
+def work(tmp_path_factory, tiny_dir) -> Path:
     from tts_lightning.data.demo import demo_dir
 
     root = tmp_path_factory.mktemp("user-errors")
     shutil.copytree(demo_dir(), root / "demo")
+    damaged = shutil.copytree(tiny_dir, root / "damaged")  # its weights cut short, as by an interrupted copy
+    weights = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (root / "broken.yaml").write_text("data: a: b\n")
     (root / "text.ckpt").write_text("not a checkpoint\n")
     lines = (root / "demo" / "train.jsonl").read_text().splitlines()

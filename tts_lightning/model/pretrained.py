@@ -135,7 +135,31 @@ def check_pretrained(
     _read_json(speech / "preprocessor_config.json", "speech tokenizer feature-extractor config")
     if not (speech / "model.safetensors").is_file():
         raise PretrainedError(f"{speech}: speech tokenizer weights missing (model.safetensors not found)")
+    for weights in [*_weight_files(path), speech / "model.safetensors"]:
+        _check_weight_file(weights)
     return PretrainedInfo(path=path, tts_model_type=tts_type, config=config)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return [path / "model.safetensors"]
+    weight_map = _read_json(index, "weights index").get("weight_map") or {}
+    return [path / name for name in sorted(set(weight_map.values()))]
+
+
+def _check_weight_file(path: Path) -> None:
+    """A weights file that is missing or cut short (an interrupted download or copy) is one line now,
+    not an error of the loader after the data is prepared (its header and size are read; no tensor)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise PretrainedError(f"{path}: weights file missing (named by model.safetensors.index.json)")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as exc:  # safetensors' SafetensorError: a header that does not fit the file
+        raise PretrainedError(f"{path} is damaged or incomplete ({exc}): download or copy it again") from exc
 
 
 def load_config(info: PretrainedInfo, attn_implementation: str = "sdpa"):
