@@ -70,6 +70,7 @@ CASES = [
     ("fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--ckpt_path", "{tiny}/model.safetensors"], "ckpt_path {tiny}/model.safetensors is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--ckpt_path", "{work}/tensors.ckpt"], "ckpt_path: {work}/tensors.ckpt is not a Lightning checkpoint (no state_dict): give a checkpoint file or a sharded checkpoint folder"),
+    ("fit", [*FIT, "--ckpt_path", "{work}/alice.ckpt"], "ckpt_path {work}/alice.ckpt was trained on the speakers [alice], this run has [alice, bob]: resume with its speakers (--data.speakers '[alice]' and its data), or start a new run"),
     ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
@@ -118,6 +119,12 @@ def work(tmp_path_factory, tiny_dir) -> Path:
     lines = (root / "demo" / "train.jsonl").read_text().splitlines()
     (root / "demo" / "clash.jsonl").write_text("\n".join([lines[0].replace('"alice"', '"Bob"'), *lines[1:]]) + "\n")
     torch.save({"weights": torch.zeros(2)}, root / "tensors.ckpt")
+    # What the check reads of a Lightning checkpoint of this project: the module's tensors and its speakers.
+    state = {
+        "state_dict": {"model.talker.codec_head.weight": torch.zeros(2, 2)},
+        "hyper_parameters": {"speakers": ["alice"]},
+    }
+    torch.save(state, root / "alice.ckpt")
     (root / "badjson").mkdir()
     (root / "badjson" / "config.json").write_text("{nope\n")
     return root

@@ -178,7 +178,11 @@ class TTSLightningCLI(LightningCLI):
             return
         if not os.path.exists(path):
             raise ConfigError(f"ckpt_path {path} does not exist: give a checkpoint file or a sharded checkpoint folder")
-        check_checkpoint(path)
+        check_checkpoint(path, self._speakers())
+
+    def _speakers(self) -> list[str] | None:
+        data = getattr(self, "datamodule", None)
+        return list(data.speaker_names) if data is not None else None
 
     def _resolve_last(self) -> None:
         """``--ckpt_path last``: the newest complete checkpoint of the run's folder, said when it is
@@ -188,6 +192,7 @@ class TTSLightningCLI(LightningCLI):
         newest = newest_checkpoint(dirpath) if dirpath else None
         if newest is None:
             return  # Lightning starts from step 0, with its warning that there is no last checkpoint
+        check_checkpoint(newest, self._speakers())
         if newest.name != LAST and self.trainer.is_global_zero:
             print(
                 f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from tts_lightning.errors import ConfigError
@@ -42,8 +43,9 @@ def newest_checkpoint(folder: str | Path) -> Path | None:
     return max(steps, key=lambda p: (steps[p], p.name == LAST, p.name))
 
 
-def check_checkpoint(path: str | Path) -> None:
-    """A ``--ckpt_path`` file or folder that is not a checkpoint: one line naming it."""
+def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> None:
+    """A ``--ckpt_path`` file or folder that is not a checkpoint, or one trained on other speakers
+    than ``speakers`` (the run's: its speaker table has a row each), is one line naming it."""
     import zipfile
 
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
@@ -52,6 +54,12 @@ def check_checkpoint(path: str | Path) -> None:
     if Path(path).is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
         raise ConfigError(f"ckpt_path {path} is not a checkpoint (not a file torch.save wrote): {hint}")
     try:
-        CheckpointReader(path)
+        saved = [str(s) for s in CheckpointReader(path).hyper_parameters.get("speakers") or []]
     except CheckpointError as exc:
         raise ConfigError(f"ckpt_path: {exc}: {hint}") from exc
+    if speakers is not None and saved and saved != list(speakers):
+        keep = "[" + ", ".join(saved) + "]"
+        raise ConfigError(
+            f"ckpt_path {path} was trained on the speakers {keep}, this run has [{', '.join(speakers)}]: "
+            f"resume with its speakers (--data.speakers '{keep}' and its data), or start a new run"
+        )
