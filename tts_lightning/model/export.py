@@ -259,8 +259,13 @@ def _speaker_table(reader: CheckpointReader, ckpt: str | os.PathLike) -> tuple[l
     embeddings = reader.read(["speaker_embeddings"])["speaker_embeddings"]
     if embeddings.shape[0] != len(speakers):
         raise CheckpointError(f"{ckpt}: speaker_embeddings has {embeddings.shape[0]} rows for {len(speakers)} speakers")
-    if (embeddings.abs().sum(1) == 0).any():
-        raise ExportError(f"{ckpt}: some speakers have no embedding yet (never seen in a step)")
+    unseen = [name for name, row in zip(speakers, embeddings) if row.abs().sum() == 0]
+    if unseen:
+        raise ExportError(
+            f"{ckpt}: speaker(s) {', '.join(unseen)} have no embedding yet (in no training batch before this "
+            "checkpoint): resume the run for a step (`fit --ckpt_path`; a run fills them from the prepared data at "
+            "its start), or export a later checkpoint"
+        )
     return speakers, embeddings
 
 

@@ -317,17 +317,24 @@ class Qwen3TTSModule(TrainAccuracyLogging):
 
     @torch.no_grad()
     def _adopt_prepared_speakers(self) -> None:
-        """After a resume (every strategy has restored by now): the speaker table the checkpoint
-        holds against the data's prepared one. They differ when a speaker's references or the
-        speaker encoder changed since the checkpoint was written; the batches now carry the prepared
-        embeddings, so the table takes them (export writes the table), with a warning naming the
-        speakers: the steps before trained with the old ones."""
+        """At the start of training (after a resume: every strategy has restored by now), the
+        speaker table against the data's prepared one, which the batches carry. A row never filled
+        takes the prepared embedding now: a speaker no batch has shown yet (a short run, a speaker
+        with few clips) would otherwise leave export without its embedding. A filled row that
+        differs (a speaker's references or the speaker encoder changed since the checkpoint was
+        written) takes it too, with a warning naming the speakers: the steps before trained with
+        the old one. Every rank holds the same prepared table, so all find the table complete
+        together and skip the per-step collectives (`_remember_speakers`)."""
         datamodule: Any = getattr(self.trainer, "datamodule", None)
         if self.speaker_codec_ids is not None or not hasattr(datamodule, "speaker_embeddings"):
             return
         table = self.speaker_embeddings
         held = table.cpu()
         prepared = dict(zip(datamodule.speaker_names, datamodule.speaker_embeddings()))
+        for row, name in enumerate(self.speakers):
+            if name in prepared and held[row].abs().sum() == 0:
+                table[row] = prepared[name].to(table.device, table.dtype)
+        self._speakers_complete = bool((table.abs().sum(1) > 0).all())
         changed = [
             (row, name)
             for row, name in enumerate(self.speakers)
