@@ -397,3 +397,50 @@ def test_a_checkpoint_rename_keeps_the_set_aside_one_until_the_new_one_is_in_pla
     (partial / "meta.pt").write_text("step 12")
     _rename(partial, final, old)  # an existing folder is set aside, then removed
     assert (final / "meta.pt").read_text() == "step 12" and not old.exists()
+
+
+def test_a_tool_stopped_by_sigterm_or_ctrl_c_cleans_up_and_says_so(tmp_path, capsys):
+    """`tts-lightning <tool>` (export, prepare, ...) under SIGTERM: its cleanup runs (Python's default
+    SIGTERM ended the process with the staged folder left behind), one line, status 143; Ctrl-C: 130."""
+    import os
+    import signal
+
+    from tts_lightning.__main__ import _stoppable
+    from tts_lightning.files import staged_directory
+
+    out = tmp_path / "voice"
+    before = signal.getsignal(signal.SIGTERM)
+
+    def export_stopped_by(stop) -> int:
+        with staged_directory(out) as staged:
+            (staged / "model.safetensors").write_bytes(b"half")
+            stop()
+        return 0
+
+    assert _stoppable("export", lambda: export_stopped_by(lambda: os.kill(os.getpid(), signal.SIGTERM))) == 143
+    assert "tts-lightning export: stopped by SIGTERM; what it finished is kept" in capsys.readouterr().err
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    assert _stoppable("export", lambda: export_stopped_by(ctrl_c)) == 130
+    assert list(tmp_path.iterdir()) == []  # no staged folder left
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
+
+
+def test_an_export_killed_between_its_renames_is_put_back(tmp_path):
+    """`files.recover_beside`: after a SIGKILL (no cleanup) the previous export set aside goes back
+    where it was, and staging folders are removed; other names are left alone."""
+    from tts_lightning.files import recover_beside
+
+    out = tmp_path / "voice"
+    (tmp_path / ".voice.old-k3j2h1g0" / "voice").mkdir(parents=True)
+    (tmp_path / ".voice.old-k3j2h1g0" / "voice" / "config.json").write_text("{}")
+    (tmp_path / ".voice.a8d7f6s5").mkdir()  # a staged, half-written export
+    (tmp_path / ".voice2.a8d7f6s5").mkdir()  # another export's
+    recover_beside(out)
+    assert (out / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".voice2.a8d7f6s5", "voice"]
+    (tmp_path / ".voice.q1w2e3r4").mkdir()
+    recover_beside(out)  # the export in place stays; the staging folder goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".voice2.a8d7f6s5", "voice"]

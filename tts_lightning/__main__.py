@@ -8,9 +8,12 @@ reports every command's errors in one place: a user error as one message with ex
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from collections.abc import Callable
 
-from tts_lightning.errors import report_errors
+from tts_lightning.errors import STOPPED_BY_SIGTERM, report_errors
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -68,6 +71,31 @@ TOOLS = {
 }
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the tool is, so that its cleanup runs (Python's default ends the
+    process at once: a staged folder or temporary file stayed)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _stoppable(command: str, run: Callable[[], int]) -> int:
+    """A tool stopped by Ctrl-C or SIGTERM: its cleanup runs, then one line (no traceback) and the
+    status a shell gives such a stop (130, 143). What it finished stays; a rerun continues."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        return run()
+    except (KeyboardInterrupt, _Terminated) as stop:
+        how = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"
+        print(f"tts-lightning {command}: stopped by {how}; what it finished is kept", file=sys.stderr)
+        return 130 if how == "Ctrl-C" else STOPPED_BY_SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tts_lightning import console
 
@@ -75,14 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
-        return report_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:]))
+        return _stoppable(argv[0], lambda: report_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:])))
     if argv and argv[0] in LIGHTNING_COMMANDS:
 
         def lightning() -> int:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
             from tts_lightning.cli import cli_main
-            from tts_lightning.distributed.sigterm import EXIT_STATUS
 
             try:
                 # From the command line LightningCLI reads sys.argv itself (given args, it warns that
@@ -94,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     "so far are kept: resume with --ckpt_path last",
                     file=sys.stderr,
                 )
-                return EXIT_STATUS
+                return STOPPED_BY_SIGTERM
             return 0
 
         # In a run of several processes each one that fails says so; Lightning has already

@@ -30,6 +30,9 @@ _UNTYPED_CHECKS = tuple(_PACKAGE / folder for folder in ("data", "distributed/me
 _UNTYPED_TYPES = (ValueError, FileNotFoundError, FileExistsError)
 
 
+STOPPED_BY_SIGTERM = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
+
+
 class UserError(Exception):
     """A problem with what the user asked for, which the user fixes; not a bug."""
 

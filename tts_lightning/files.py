@@ -253,6 +253,23 @@ def staged_directory(out: Path, *, needed: int | None = None) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing left once it was renamed
 
 
+def recover_beside(out: Path) -> None:
+    """What a killed build or replacement of the folder ``out`` left beside it (`staged_directory`,
+    `replace_directory`; SIGKILL runs no cleanup): an old folder set aside whose replacement never
+    moved in goes back to ``out``; the rest (staging folders, set-aside copies) is removed. For a
+    command that is the only writer of ``out`` (export)."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return
+    prefix = f".{out.name}."
+    leftovers = [p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink()]
+    for old in sorted(p for p in leftovers if p.name.startswith(f"{prefix}old-")):
+        if not out.exists() and (old / out.name).is_dir():
+            os.replace(old / out.name, out)
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def replace_directory(staged: Path, out: Path) -> None:
     """Put the built folder ``staged`` (`staged_directory`) at ``out``, replacing what is there: the
     old folder is renamed aside first, put back if the new one cannot move in, and removed only

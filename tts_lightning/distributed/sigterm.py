@@ -12,7 +12,7 @@ for one that only notes the signal and, like Lightning's, passes it on to the pr
 started. At the start of each training batch the ranks learn whether any of them has noted it
 (an all-reduce over `host_group`: host memory, so no wait for the GPU) and, if one has, all stop
 there, as Lightning stops (its `SIGTERMException`). The checkpoints already written stay;
-`tts-lightning` then exits with `EXIT_STATUS` and one line (`tts_lightning.__main__`).
+`tts-lightning` then exits with status 143 and one line (`tts_lightning.__main__`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import threading
 from typing import Any
 
 import torch
-
-EXIT_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
 
 
 class StopOnSigterm:

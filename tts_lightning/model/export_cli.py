@@ -42,7 +42,10 @@ def export_command(argv: list[str]) -> int:
         "reference clip); auto: base for a run trained with data.layout icl, else custom_voice",
     )
     args = parser.parse_args(argv)
+    from tts_lightning.files import recover_beside
     from tts_lightning.model.export import export_adapter, export_base, export_custom_voice, trained_layout
+
+    recover_beside(Path(args.out))  # what a killed export left
 
     if args.adapter_only:
         out = export_adapter(
