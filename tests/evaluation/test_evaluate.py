@@ -200,10 +200,12 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated, tiny_d
     assert not [p for p in out_ckpt.iterdir() if p.name.startswith(".evaluate-")]  # the temporary export is gone
 
 
-def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, held_out_manifest, capsys):
+def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, held_out_manifest, capsys, monkeypatch):
     root, ckpt, voice, cache = finetuned
     out = root / "eval-errors"
     common = ["--prepared", cache, "--out", out, "--text", TEXT]
+    (out / ".evaluate-k1l2m3n4").mkdir(parents=True)  # the temporary export of a killed run
+    (out / "evaluation.json").write_text('{"previous": true}\n')  # a previous evaluation's report
 
     assert run("--model", root / "missing.ckpt", "--base", tiny_dir, *common) == 2
     assert "missing.ckpt does not exist" in capsys.readouterr().err
@@ -241,7 +243,23 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, held
     assert run("--model", tiny_custom_voice_dir, "--base", tiny_dir, *common, "--held-out", held_out_manifest) == 2
     err = capsys.readouterr().err
     assert "has built-in speakers ['ryan', 'serena', 'vivian'], so it started from a CustomVoice model" in err
-    assert not list((root / "eval-errors").glob("*.json"))
+    assert [p.name for p in out.glob("*.json")] == ["evaluation.json"]  # a refused run keeps the last report
+
+    # Stopped while its audio is written (into the folder of the previous evaluation): no report that
+    # describes other audio stays, nor a temporary export.
+    import importlib
+
+    evaluate_module = importlib.import_module(
+        "tts_lightning.evaluation.evaluate"
+    )  # the package exports a function of that name
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "_generate_all", stopped)
+    assert run("--model", voice, "--base", tiny_dir, *common, "--no-icl") == 130
+    assert "tts-lightning evaluate: stopped by Ctrl-C" in capsys.readouterr().err
+    assert not (out / "evaluation.json").exists() and not list(out.glob(".evaluate-*"))
 
 
 def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):

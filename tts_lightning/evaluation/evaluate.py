@@ -107,6 +107,7 @@ def evaluate(
         forgetting = measure_forgetting(index_file.parent, model_dir, device=device)  # None without replay
         common: dict[str, Any] = {"num_samples": num_samples, "seed": seed, "limit_factor": limit_factor}
         common.update(audio_dir=out / "audio", device=device, torch_dtype=torch_dtype)
+        _drop_reports(out)  # the audio they describe is rewritten now: a stopped run leaves none that lies
         generated = _generate_all(model_dir, base_dir, plans, forgetting=forgetting, icl=icl, paces=paces, **common)
         if held_plans is not None:
             from tts_lightning.evaluation.zero_shot import clone_before_after
@@ -165,12 +166,23 @@ def _check_settings(*, num_samples: int, max_texts: int, alpha: float) -> None:
         raise EvaluationError(f"speaker similarity is needed: {reason}")
 
 
+REPORTS = ("evaluation.json", "evaluation.md", "evaluation.html")
+
+
+def _drop_reports(out: Path) -> None:
+    for name in REPORTS:
+        (out / name).unlink(missing_ok=True)
+
+
 def _make_workdir(out: Path) -> Path:
-    """``out`` made, and a temporary folder inside it (for a checkpoint's export)."""
+    """``out`` made, and a temporary folder inside it (for a checkpoint's export); those a killed
+    run left (no cleanup after SIGKILL) are removed."""
     from tts_lightning.files import WriteError, storage_error
 
     try:
         out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".evaluate-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         return Path(tempfile.mkdtemp(prefix=".evaluate-", dir=out))
     except OSError as exc:  # a full disk or a folder that cannot be written: one message
         cause = storage_error(exc)
