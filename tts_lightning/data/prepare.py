@@ -189,7 +189,9 @@ class DataPreparer:
            are even) and embeds its share of the speakers (``speakers/parts/``); the finishing
            rank writes the index.
 
-        Everything is written with the bytes a single process writes. ``agree(ok)`` is a
+        Everything is written with the bytes a single process writes with as many CPU threads per
+        process (the speaker encoder's float sums follow the thread count: a run of 2 ranks of 1
+        thread and one process of 2 threads differ in the last bits, ~1e-6). ``agree(ok)`` is a
         collective of all ranks (the strategy's ``reduce_boolean_decision(ok, all=True)``): True
         when every rank's step succeeded. It ends each step, so it is the barrier between them too,
         and a step that fails on one rank (e.g. the finishing rank's validation finds no usable
