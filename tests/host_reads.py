@@ -123,11 +123,8 @@ class HostReads(L.Callback):
 
         # torch's optimizers keep their step counts on the host (unless fused or capturable, where
         # they are never read back): reading those is no device sync.
-        # The FSDP strategies' SIGTERM flag is all-reduced in host memory (tts_lightning/distributed/sigterm.py).
         def steps() -> set[int]:
-            flag = getattr(trainer.strategy, "sigterm_flag", None)
-            kept = {id(flag)} if flag is not None else set()
-            return kept | {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
+            return {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
 
         record = _Step(trainer.global_step + 1, steps, batch.padded)
         self.steps.append(record)

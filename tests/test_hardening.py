@@ -437,10 +437,12 @@ def test_an_export_killed_between_its_renames_is_put_back(tmp_path):
     (tmp_path / ".voice.old-k3j2h1g0" / "voice").mkdir(parents=True)
     (tmp_path / ".voice.old-k3j2h1g0" / "voice" / "config.json").write_text("{}")
     (tmp_path / ".voice.a8d7f6s5").mkdir()  # a staged, half-written export
-    (tmp_path / ".voice2.a8d7f6s5").mkdir()  # another export's
+    others = [".voice2.a8d7f6s5", ".voice.v2.a8d7f6s5", ".voice.v2.old-a8d7f6s5"]  # other exports' (voice2, voice.v2)
+    for other in others:
+        (tmp_path / other).mkdir()
     recover_beside(out)
     assert (out / "config.json").read_text() == "{}"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".voice2.a8d7f6s5", "voice"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, "voice"])
     (tmp_path / ".voice.q1w2e3r4").mkdir()
     recover_beside(out)  # the export in place stays; the staging folder goes
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".voice2.a8d7f6s5", "voice"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, "voice"])

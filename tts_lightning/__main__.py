@@ -77,6 +77,7 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
     raise _Terminated()
 
 

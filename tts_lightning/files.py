@@ -262,7 +262,9 @@ def recover_beside(out: Path) -> None:
     if not out.parent.is_dir():
         return
     prefix = f".{out.name}."
-    leftovers = [p for p in out.parent.iterdir() if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink()]
+    # mkdtemp's names exactly (8 characters of its alphabet): ".voice.v2.k3j2h1g0" is voice.v2's, not voice's.
+    ours = re.compile(re.escape(prefix) + r"(old-)?[a-z0-9_]{8}")
+    leftovers = [p for p in out.parent.iterdir() if ours.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
     for old in sorted(p for p in leftovers if p.name.startswith(f"{prefix}old-")):
         if not out.exists() and (old / out.name).is_dir():
             os.replace(old / out.name, out)

@@ -1,11 +1,13 @@
 """What ``--ckpt_path`` names, checked and resolved before a run starts.
 
-- ``last`` is the newest complete checkpoint of the run's checkpoint folder, by its step: `last.ckpt`
-  normally. `ModelCheckpoint` writes the top-k checkpoint of a step before `last.ckpt`, so a run
-  stopped between the two (or during the first `last.ckpt`) has a newer top-k checkpoint than
-  `last.ckpt`, or none; Lightning then resumed from the older one, or from step 0 with a warning.
-  A checkpoint that a save set aside (``.last.ckpt.old``, `tts_lightning.distributed.atomic`)
-  counts when the checkpoint it stood for is missing. Half-written saves (``.*.partial``) never do.
+- ``last`` is the newest complete checkpoint of the run's checkpoint folder, the one written last
+  (Lightning's rule for `last*.ckpt`): `last.ckpt` normally. `ModelCheckpoint` writes a step's
+  top-k checkpoint before its `last.ckpt`, so a run stopped between the two (or during its first
+  `last.ckpt`) has a newer top-k checkpoint than `last.ckpt`, or none; Lightning then resumed from
+  the older one, or from step 0 with a warning. By the time written, not the step: a folder may
+  also hold an earlier run's checkpoints of higher steps. A checkpoint that a save set aside
+  (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
+  is missing. Half-written saves (``.*.partial``) never do.
 - Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
   checkpoint, is one line, not an unpickling traceback.
 """
@@ -21,8 +23,8 @@ LAST = "last.ckpt"  # Lightning's ModelCheckpoint.CHECKPOINT_NAME_LAST + FILE_EX
 
 
 def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The complete checkpoint of ``folder`` with the highest step (``last.ckpt`` among equals); None
-    when there is none."""
+    """The complete checkpoint of ``folder`` written last (``last.ckpt`` among equals); None when
+    there is none."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 
     folder = Path(folder)
@@ -32,15 +34,18 @@ def newest_checkpoint(folder: str | Path) -> Path | None:
     set_aside = folder / f".{LAST}.old"
     if not (folder / LAST).exists() and set_aside.exists():
         candidates.append(set_aside)  # a save stopped between its two renames
-    steps = {}
+    written = {}
     for path in candidates:
         try:
-            steps[path] = CheckpointReader(path).global_step
+            CheckpointReader(path)
         except CheckpointError:
             continue  # not readable as a checkpoint: never resumed from
-    if not steps:
+        # A sharded checkpoint's meta.pt is written with its shards (a folder's own time changes
+        # with its entries only).
+        written[path] = (path / "meta.pt" if path.is_dir() else path).stat().st_mtime_ns
+    if not written:
         return None
-    return max(steps, key=lambda p: (steps[p], p.name == LAST, p.name))
+    return max(written, key=lambda p: (written[p], p.name == LAST))
 
 
 def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> None:

@@ -26,12 +26,19 @@ class SigtermAt(Callback):
     stop before the next batch and exit with the SIGTERM status."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
-        self.step, self.rank = step, rank
+        self.step, self.rank = step, rank  # step -1: in the sanity check's first validation batch
+
+    def _send(self, trainer) -> None:
+        print(f"[SigtermAt] SIGTERM to rank {self.rank} at global_step {self.step}", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            print(f"[SigtermAt] SIGTERM to rank {self.rank} at global_step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            self._send(trainer)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.step == -1 and trainer.sanity_checking and batch_idx == 0 and trainer.global_rank == self.rank:
+            self._send(trainer)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         rank, step, name = trainer.global_rank, trainer.global_step, type(exception).__name__

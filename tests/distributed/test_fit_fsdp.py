@@ -196,24 +196,46 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
     assert not torch.equal(head, _pretrained_codec_head(tiny_dir).to(head.dtype))
 
 
+def test_a_sigterm_in_the_sanity_check_stops_every_rank_at_the_first_batch(workdir, tiny_dir, cli):
+    """Lightning registers its SIGTERM handlers just before the sanity check: one rank's signal there
+    stops both ranks before the first training batch (tts_lightning/distributed/sigterm.py), as later."""
+    sigterm = '{"class_path": "crash_callbacks.SigtermAt", "init_args": {"step": -1}}'
+    stopped = cli(
+        *fit_args(
+            TINY_CPU, workdir, tiny_dir, "sigterm-sanity", "--trainer.max_steps", "2", f"--trainer.callbacks+={sigterm}"
+        ),
+        cwd=workdir,
+        check=False,
+        timeout=300,
+    )
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "[SigtermAt] SIGTERM to rank 1 at global_step -1" in stopped.stdout
+    for rank in (0, 1):
+        assert f"[SigtermAt] rank {rank} stops after global_step 0: SIGTERMException" in stopped.stdout
+
+
 def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
     """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: last.ckpt, else
-    the newest top-k one, else a set-aside last (a save stopped between its renames); never a
-    half-written or unreadable one."""
+    the top-k one written last, else a set-aside last (a save stopped between its renames); never
+    a half-written or unreadable one, nor an older run's checkpoint of a higher step."""
+    import os
+
     from tts_lightning.resume_path import newest_checkpoint
 
-    folder = shutil.copytree(fitted[0] / "checkpoints", tmp_path / "checkpoints")
+    folder = shutil.copytree(fitted[0] / "checkpoints", tmp_path / "checkpoints")  # times kept
     topk = {int(p.name[4:10]): p for p in folder.glob("step*.ckpt")}
     assert sorted(topk) == [EVERY, STEPS], topk
     (folder / "broken.ckpt").write_text("not a checkpoint\n")
     shutil.copytree(folder / "last.ckpt", folder / ".step000099-val_loss1.0000.ckpt.partial")
-    assert newest_checkpoint(folder) == folder / "last.ckpt"  # step STEPS, as the top-k one
-    (folder / "last.ckpt").rename(folder / ".last.ckpt.old")
+    earlier = shutil.copytree(topk[STEPS], folder / "step009999-val_loss1.0000.ckpt")  # an earlier run's
+    os.utime(earlier / "meta.pt", ns=(0, 0))
+    assert newest_checkpoint(folder) == folder / "last.ckpt"  # written last, with the top-k one of its step
+    (folder / "last.ckpt").rename(folder / ".last.ckpt.old")  # stopped between the renames of a save
+    assert newest_checkpoint(folder) == folder / ".last.ckpt.old"
+    shutil.rmtree(folder / ".last.ckpt.old")  # stopped while writing its first last.ckpt
     assert newest_checkpoint(folder) == topk[STEPS]
     shutil.rmtree(topk[STEPS])
-    assert newest_checkpoint(folder) == folder / ".last.ckpt.old"  # step STEPS beats step EVERY
-    shutil.rmtree(folder / ".last.ckpt.old")
-    assert newest_checkpoint(folder) == topk[EVERY]
+    assert newest_checkpoint(folder) == topk[EVERY]  # not the earlier run's step 9999
     assert newest_checkpoint(tmp_path / "nope") is None
 
 

@@ -9,9 +9,10 @@ which that rank saw the signal, a different batch where ranks see it at differen
 
 `StopOnSigterm` (a mixin of the FSDP strategies) keeps Lightning's handlers but swaps its notifier
 for one that only notes the signal and, like Lightning's, passes it on to the processes Lightning
-started. At the start of each training batch the ranks learn whether any of them has noted it
-(an all-reduce over `host_group`: host memory, so no wait for the GPU) and, if one has, all stop
-there, as Lightning stops (its `SIGTERMException`). The checkpoints already written stay;
+started (from the sanity check on: Lightning registers its handlers just before it). At the start
+of each training batch the ranks learn whether any of them has noted it (an all-reduce over the
+process group, read right after Lightning's own per-step read of its flag) and, if one has, all
+stop there, as Lightning stops (its `SIGTERMException`). The checkpoints already written stay;
 `tts-lightning` then exits with status 143 and one line (`tts_lightning.__main__`).
 """
 
@@ -29,20 +30,29 @@ class StopOnSigterm:
     (module docstring)."""
 
     _sigterm_noted = False
-    sigterm_flag: torch.Tensor | None = None  # the all-reduced flag: host memory on every device
+
+    def setup(self, trainer: Any) -> None:
+        self._sigterm_noted = False
+        super().setup(trainer)  # type: ignore[misc]
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        if self.lightning_module.trainer.state.fn == "fit":  # type: ignore[attr-defined]
+            self._take_over_sigterm()  # the sanity check: Lightning has registered its handlers by now
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
-        self._sigterm_noted = False
-        self.sigterm_flag = torch.zeros(1, dtype=torch.int32)
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        self._take_over_sigterm()
+
+    def _take_over_sigterm(self) -> None:
+        connector = self.lightning_module.trainer._signal_connector  # type: ignore[attr-defined]
+        self._sigterm_noted |= connector.received_sigterm  # Lightning's notifier had it first
         if threading.current_thread() is not threading.main_thread():
             return  # no signal handlers outside the main thread (Lightning registers none either)
         handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
-        notifier = trainer._signal_connector._sigterm_notifier_fn
-        if handlers is None or notifier not in handlers:
-            return  # not Lightning's handlers (Windows, or someone replaced them): left alone
-        handlers[handlers.index(notifier)] = self._note_sigterm
+        notifier = connector._sigterm_notifier_fn
+        if handlers is not None and notifier in handlers:  # else not Lightning's (Windows, replaced): left alone
+            handlers[handlers.index(notifier)] = self._note_sigterm
 
     def _note_sigterm(self, signum: int, frame: Any) -> None:
         launcher = self.launcher  # type: ignore[attr-defined]
@@ -53,12 +63,12 @@ class StopOnSigterm:
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         noted = self._sigterm_noted
-        if self.world_size > 1 and self.sigterm_flag is not None:  # type: ignore[attr-defined]
-            from tts_lightning.distributed.rank_local_state import host_group
-
-            self.sigterm_flag.fill_(int(noted))
-            torch.distributed.all_reduce(self.sigterm_flag, op=torch.distributed.ReduceOp.MAX, group=host_group())
-            noted = bool(self.sigterm_flag.item())  # a host tensor: no wait for the GPU
+        if self.world_size > 1:  # type: ignore[attr-defined]
+            flag = torch.tensor([int(noted)], device=self.root_device)  # type: ignore[attr-defined]
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            # Read right after Lightning's own read of its flag at this batch's start, which has
+            # drained the GPU's queue already: no further wait.
+            noted = bool(flag.item())
         if noted:  # every rank, at the start of the same batch
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
