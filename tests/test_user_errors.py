@@ -101,6 +101,7 @@ CASES = [
     ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     pytest.param("ray-fit", [*FIT, "--trainer.strategy", "ddp"], "ray-fit trains with FSDP1 or FSDP2; trainer.strategy='ddp' is not supported (use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2))", marks=needs_ray),
+    pytest.param("ray-fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)", marks=needs_ray),
 ]  # fmt: skip
 
