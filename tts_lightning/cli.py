@@ -12,14 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
-from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
 from tts_lightning.resume_path import LAST, check_checkpoint, newest_checkpoint
 
@@ -150,8 +148,7 @@ class TTSLightningCLI(LightningCLI):
         path = self.config[self.config.subcommand].get("ckpt_path")
         if not path or not Path(path).is_file():
             return
-        check_checkpoint(path)
-        hparams = dict(torch.load(path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters") or {})
+        hparams = check_checkpoint(path)
         hparams.pop("_instantiator", None)
         if hparams:
             if "_class_path" in hparams:
@@ -176,8 +173,6 @@ class TTSLightningCLI(LightningCLI):
             return
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
-        if not os.path.exists(path):
-            raise ConfigError(f"ckpt_path {path} does not exist: give a checkpoint file or a sharded checkpoint folder")
         check_checkpoint(path, self._speakers())
 
     def _speakers(self) -> list[str] | None:

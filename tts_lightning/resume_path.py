@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tts_lightning.errors import ConfigError
 
@@ -48,23 +49,28 @@ def newest_checkpoint(folder: str | Path) -> Path | None:
     return max(written, key=lambda p: (written[p], p.name == LAST))
 
 
-def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> None:
-    """A ``--ckpt_path`` file or folder that is not a checkpoint, or one trained on other speakers
-    than ``speakers`` (the run's: its speaker table has a row each), is one line naming it."""
+def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> dict[str, Any]:
+    """The hyper-parameters of the checkpoint ``--ckpt_path`` names. A path that does not exist or
+    is not a checkpoint, or one trained on other speakers than ``speakers`` (the run's: its speaker
+    table has a row each), is one line naming it."""
     import zipfile
 
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 
     hint = "give a checkpoint file or a sharded checkpoint folder"
+    if not Path(path).exists():
+        raise ConfigError(f"ckpt_path {path} does not exist: {hint}")
     if Path(path).is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
         raise ConfigError(f"ckpt_path {path} is not a checkpoint (not a file torch.save wrote): {hint}")
     try:
-        saved = [str(s) for s in CheckpointReader(path).hyper_parameters.get("speakers") or []]
+        hyper_parameters = CheckpointReader(path).hyper_parameters
     except CheckpointError as exc:
         raise ConfigError(f"ckpt_path: {exc}: {hint}") from exc
+    saved = [str(s) for s in hyper_parameters.get("speakers") or []]
     if speakers is not None and saved and saved != list(speakers):
         keep = "[" + ", ".join(saved) + "]"
         raise ConfigError(
             f"ckpt_path {path} was trained on the speakers {keep}, this run has [{', '.join(speakers)}]: "
             f"resume with its speakers (--data.speakers '{keep}' and its data), or start a new run"
         )
+    return hyper_parameters

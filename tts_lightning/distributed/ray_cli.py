@@ -176,15 +176,8 @@ def ray_fit_command(argv: list[str]) -> int:
     values = vars(options)
     ckpt_path = values.pop("ckpt_path")
     if ckpt_path is not None:  # one line here, not a traceback on every Ray worker
-        import os
-
-        from tts_lightning.errors import ConfigError
         from tts_lightning.resume_path import check_checkpoint
 
-        if not os.path.exists(ckpt_path):
-            raise ConfigError(
-                f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file or a sharded checkpoint folder"
-            )
         check_checkpoint(ckpt_path)
     ray_options = RayOptions(**values)
     try:

@@ -176,13 +176,9 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
     """The checkpoint's tensors (optionally only those under ``prefix``), in their stored dtype."""
     from safetensors import safe_open
 
-    index = info.path / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    )
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(info.path / name), framework="pt") as f:
+    for path in _weight_files(info.path):
+        with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.startswith(prefix):
                     state[key] = f.get_tensor(key)
