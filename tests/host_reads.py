@@ -122,9 +122,14 @@ class HostReads(L.Callback):
         self._close()
 
         # torch's optimizers keep their step counts on the host (unless fused or capturable, where
-        # they are never read back): reading those is no device sync.
+        # they are never read back): reading those is no device sync. Nor is the FSDP strategies'
+        # read of the SIGTERM agreement queued at the previous batch's start, from pinned host memory
+        # (tts_lightning/distributed/sigterm.py); the first batch's, queued in the same step, is one.
+        agreement = getattr(trainer.strategy, "_sigterm_pending", None)
+        carried = {id(agreement.host)} if agreement is not None else set()
+
         def steps() -> set[int]:
-            return {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
+            return carried | {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
 
         record = _Step(trainer.global_step + 1, steps, batch.padded)
         self.steps.append(record)

@@ -23,7 +23,7 @@ class CrashAt(Callback):
 class SigtermAt(Callback):
     """Rank ``rank`` gets SIGTERM inside the backward of optimizer step ``step + 1`` (where Lightning's
     own handler would broadcast while the other rank is in an FSDP collective); every rank must
-    stop before the next batch and exit with the SIGTERM status."""
+    stop at the start of the same later batch and exit with the SIGTERM status."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
         self.step, self.rank = step, rank  # step -1: in the sanity check's first validation batch

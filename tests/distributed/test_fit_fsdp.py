@@ -152,7 +152,10 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
     # stop; tts_lightning/distributed/sigterm.py), the others are killed.
     sigterm = state_dict_type == "full"
     stop = "SigtermAt" if sigterm else "CrashAt"
-    crash = f'{{"class_path": "crash_callbacks.{stop}", "init_args": {{"step": {CRASH}}}}}'
+    # The ranks stop at the start of the second batch after the one in which rank 1 got the signal
+    # (its all-reduce is read one batch later): the signal comes a step earlier for the same stop.
+    at = CRASH - 1 if sigterm else CRASH
+    crash = f'{{"class_path": "crash_callbacks.{stop}", "init_args": {{"step": {at}}}}}'
     crashed = cli(
         *fit_args(TINY_CPU, workdir, tiny_dir, resumed_dir, *common, f"--trainer.callbacks+={crash}"),
         cwd=workdir,
@@ -162,7 +165,7 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
     if sigterm:
         assert crashed.returncode == 143, crashed.stderr[-3000:]
         assert "stopped by SIGTERM before the end" in crashed.stderr and "--ckpt_path last" in crashed.stderr
-        for rank in (0, 1):  # both stop before the batch after the one in which rank 1 got it
+        for rank in (0, 1):  # both at the same batch, before the next checkpoint's step
             assert f"[SigtermAt] rank {rank} stops after global_step {CRASH + 1}: SIGTERMException" in crashed.stdout
     else:
         assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout

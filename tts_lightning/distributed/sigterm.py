@@ -10,10 +10,14 @@ which that rank saw the signal, a different batch where ranks see it at differen
 `StopOnSigterm` (a mixin of the FSDP strategies) keeps Lightning's handlers but swaps its notifier
 for one that only notes the signal and, like Lightning's, passes it on to the processes Lightning
 started (from the sanity check on: Lightning registers its handlers just before it). At the start
-of each training batch the ranks learn whether any of them has noted it (an all-reduce over the
-process group, read right after Lightning's own per-step read of its flag) and, if one has, all
-stop there, as Lightning stops (its `SIGTERMException`). The checkpoints already written stay;
-`tts-lightning` then exits with status 143 and one line (`tts_lightning.__main__`).
+of each training batch the ranks all-reduce the note, and all stop (as Lightning stops: its
+`SIGTERMException`) at the start of the batch after the one whose all-reduce saw it, the first
+batch's own where the signal came before training. The result is copied to the host without
+waiting and read one batch later, when the GPU is long past it: no step waits for the GPU's queue
+to drain (Lightning's own per-step broadcast and read of its flag, which can no longer be set once
+its notifier is gone, is switched off: an open Lightning PR, #21640, makes it optional). The
+checkpoints already written stay; `tts-lightning` then exits with status 143 and one line
+(`tts_lightning.__main__`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ class StopOnSigterm:
     (module docstring)."""
 
     _sigterm_noted = False
+    _sigterm_pending: _Agreement | None = None
 
     def setup(self, trainer: Any) -> None:
-        self._sigterm_noted = False
+        self._sigterm_noted, self._sigterm_pending = False, None
         super().setup(trainer)  # type: ignore[misc]
 
     def on_validation_start(self) -> None:
@@ -45,14 +50,19 @@ class StopOnSigterm:
         self._take_over_sigterm()
 
     def _take_over_sigterm(self) -> None:
-        connector = self.lightning_module.trainer._signal_connector  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        connector = trainer._signal_connector
         self._sigterm_noted |= connector.received_sigterm  # Lightning's notifier had it first
-        if threading.current_thread() is not threading.main_thread():
-            return  # no signal handlers outside the main thread (Lightning registers none either)
-        handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
         notifier = connector._sigterm_notifier_fn
-        if handlers is not None and notifier in handlers:  # else not Lightning's (Windows, replaced): left alone
+        handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+        # No signal handlers outside the main thread (Lightning registers none either); a handler that
+        # is not Lightning's (Windows, replaced) is left alone.
+        if threading.current_thread() is threading.main_thread() and handlers is not None and notifier in handlers:
             handlers[handlers.index(notifier)] = self._note_sigterm
+        if handlers is None or notifier not in handlers:
+            # Only Lightning's notifier sets the flag that Lightning broadcasts and reads back at every
+            # batch's start (a wait for the GPU's queue to drain, each step): without it, 0 every time.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     def _note_sigterm(self, signum: int, frame: Any) -> None:
         launcher = self.launcher  # type: ignore[attr-defined]
@@ -64,13 +74,38 @@ class StopOnSigterm:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         noted = self._sigterm_noted
         if self.world_size > 1:  # type: ignore[attr-defined]
-            flag = torch.tensor([int(noted)], device=self.root_device)  # type: ignore[attr-defined]
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            # Read right after Lightning's own read of its flag at this batch's start, which has
-            # drained the GPU's queue already: no further wait.
-            noted = bool(flag.item())
+            previous = self._sigterm_pending  # the previous batch's all-reduce: long done
+            agreed = previous.result() if previous is not None else None
+            self._sigterm_pending = _Agreement(noted, self.root_device)  # type: ignore[attr-defined]
+            noted = agreed if agreed is not None else self._sigterm_pending.result()  # the first batch waits
         if noted:  # every rank, at the start of the same batch
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
             self.lightning_module.trainer._signal_connector.received_sigterm = True  # type: ignore[attr-defined]
             raise SIGTERMException()
+
+
+class _Agreement:
+    """Whether any rank has noted a SIGTERM: an all-reduce of each rank's note, queued on the device
+    and copied to the host without waiting; `result()` waits for that copy only, not for the work
+    queued after it. The CUDA branch (pinned memory, an event) runs in benchmarks/gpu_check.sh's
+    real-size runs (world 4 of a fake process group); on the CPU the copy is done when queued."""
+
+    def __init__(self, noted: bool, device: torch.device) -> None:
+        flag = torch.full((1,), int(noted), dtype=torch.int32, device=device)  # no host-to-device copy
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        cuda = device.type == "cuda"
+        self.host = torch.empty(1, dtype=torch.int32, pin_memory=cuda)
+        self.host.copy_(flag, non_blocking=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        if self.copied is not None:
+            self.copied.record()
+
+    def result(self) -> bool:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return bool(self.host.item())
+
+
+def _nothing() -> None:
+    pass
