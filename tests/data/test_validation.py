@@ -222,6 +222,25 @@ def test_clipped_clip_is_rejected_or_flagged_and_normal_gain_is_accepted(tmp_pat
     assert "warnings: 1 accepted clip(s) flagged" in flagged.summary() and "clipped: 1" in flagged.summary()
 
 
+def test_telephone_quality_audio_is_trained_on_and_flagged(tmp_path: Path) -> None:
+    """8 kHz audio (a phone recording) holds nothing above 4 kHz: accepted, and named in the
+    report's warnings; 16 kHz (LibriSpeech, many corpora) and above is not flagged."""
+    src = demo_dir() / "clips" / "alice" / "alice_001.flac"
+    wave, sr = sf.read(src, dtype="float32")
+    text = "She planted roses along the garden wall."
+    records = []
+    for i, rate in enumerate((8_000, 16_000, sr), start=1):
+        resampled = torchaudio.functional.resample(torch.from_numpy(wave), orig_freq=sr, new_freq=rate)
+        sf.write(tmp_path / f"{rate}.wav", resampled.numpy(), rate, subtype="PCM_16")
+        records.append(ClipRecord(tmp_path / f"{rate}.wav", text, "alice", f"m:{i}"))
+    report = validate_clips(records)
+    assert [c.record.source for c in report.accepted] == ["m:1", "m:2", "m:3"] and report.rejected == []
+    (warning,) = report.warnings
+    assert (warning.source, warning.reason) == ("m:1", "low_sample_rate")
+    assert warning.detail.startswith("recorded at 8000 Hz: it holds nothing above 4000 Hz")
+    assert "low_sample_rate: 1" in report.summary()
+
+
 def test_speaking_rate_rejects_a_mismatched_transcript_and_accepts_natural_speeds(tmp_path: Path) -> None:
     records = _demo_records()
     clips = demo_dir() / "clips" / "alice"

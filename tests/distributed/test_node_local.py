@@ -90,6 +90,8 @@ def test_node_local_checkpoints_write_prune_and_resume_on_every_node(trained, fo
         assert files == [".metadata", *(f"__{r}_0.distcp" for r in ranks), "meta.pt"], files  # its own shards
         assert CheckpointReader(last).global_step == 3
 
+    behind = tmp_path / "node1-step3.ckpt"
+    shutil.copytree(nodes[1] / "run" / "checkpoints" / "last.ckpt", behind)
     resumed = _fit(zygotes, folders, nodes, tiny_dir, "--trainer.max_steps", 4, "--ckpt_path", "last")
     assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
     for node in nodes:
@@ -108,6 +110,18 @@ def test_node_local_checkpoints_write_prune_and_resume_on_every_node(trained, fo
     assert straight.global_step == together.global_step == 4
     for key, value in straight.state_dict.items():
         torch.testing.assert_close(together.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+    # A save stopped after node 0's rename and before node 1's: node 1's last.ckpt is a step behind.
+    # The ranks would resume from different steps; refused on every rank instead.
+    last1 = nodes[1] / "run" / "checkpoints" / "last.ckpt"
+    shutil.rmtree(last1)
+    shutil.copytree(behind, last1)
+    refused = _fit(zygotes, folders, nodes, tiny_dir, "--trainer.max_steps", 5, "--ckpt_path", "last", check=False)
+    assert refused.returncode != 0
+    assert "is of different steps on the nodes (node 0: step 4, node 1: step 3)" in refused.stderr, refused.stderr[
+        -3000:
+    ]
+    assert "Traceback" not in refused.stderr
 
 
 def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(trained, folders, tiny_dir, zygotes):

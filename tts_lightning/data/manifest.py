@@ -48,6 +48,7 @@ REJECTION_REASONS: frozenset[str] = frozenset(
         "duplicate",
         "clipped",
         "transcript_mismatch",
+        "low_sample_rate",
     }
 )
 
@@ -382,6 +383,18 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
     audio_stems = {
         (p.parent, p.stem) for p in files if p.suffix.lower() in AUDIO_EXTENSIONS | _UNSUPPORTED_AUDIO_EXTENSIONS
     }
+    read_with: dict[Path, str] = {}  # transcript or subtitles -> the audio file it was read with
+
+    def shared(source: str, audio: Path, text: Path) -> bool:
+        """``003.flac`` and ``003.mp3`` beside one ``003.txt``: the same utterance twice; the first kept."""
+        first = read_with.setdefault(text, source)
+        if first != source:
+            detail = (
+                f"{source} shares {text.name} with {first} (one recording per transcript: give it its own or remove it)"
+            )
+            rejected.append(Rejection(source, str(audio), "duplicate", detail))
+        return first != source
+
     for path in files:
         rel = path.relative_to(root)
         source = rel.as_posix()
@@ -414,6 +427,8 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
         speaker = rel.parts[0] if len(rel.parts) > 1 else default_speaker
         txt = _transcript_for(path)
         subtitles = None if txt.is_file() else subtitles_for(path)
+        if (subtitles is not None or txt.is_file()) and shared(source, path, subtitles or txt):
+            continue
         if subtitles is not None:
             records.append(
                 ClipRecord(

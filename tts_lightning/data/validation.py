@@ -18,6 +18,8 @@ from tts_lightning.data.manifest import ClipRecord, Rejection
 from tts_lightning.files import atomic_write_json
 
 ACTIONS = ("reject", "flag")
+# Below this, audio is telephone quality (8-11 kHz): trained on, flagged in the report's warnings.
+LOW_SAMPLE_RATE = 16_000
 # Robust spread floor for the speaking-rate check, in natural-log units: a speaker whose clips all
 # share one rate (a TTS voice, one read-aloud session) still tolerates ~10% natural variation.
 MIN_LOG_RATE_SPREAD = 0.1
@@ -208,6 +210,7 @@ class FileCheck:
     duration: float = 0.0  # seconds, decoded
     speech: float = 0.0  # seconds without edge silence
     clipped: str | None = None  # detail of a clipped clip that the config flags rather than rejects
+    rate: int = 0  # the file's sample rate (0: a check made before it was recorded)
     # [size, mtime_ns] before the file was read: a check of a file changed since then is stale.
     stamp: list[int] | None = None
 
@@ -253,7 +256,7 @@ def _check_bytes(path: Path, data: bytes, config: ValidationConfig) -> FileCheck
     # Decoded length, not the header's: compressed formats may only estimate it.
     duration = samples.shape[1] / rate
     speech = trim_edge_silence(mono, rate).shape[-1] / rate  # seconds without edge silence
-    return FileCheck(duration=duration, speech=speech, clipped=flagged)
+    return FileCheck(duration=duration, speech=speech, clipped=flagged, rate=int(rate))
 
 
 def _precheck(rec: ClipRecord) -> tuple[str, str] | None:
@@ -345,6 +348,12 @@ def validate_clips(
                 continue
         if check.clipped is not None:
             report.warnings.append(Rejection(rec.source, audio, "clipped", check.clipped))
+        if 0 < check.rate < LOW_SAMPLE_RATE:
+            detail = (
+                f"recorded at {check.rate} Hz: it holds nothing above {check.rate // 2} Hz, and the model learns "
+                "that muffled sound from it (a better recording, or leave it out)"
+            )
+            report.warnings.append(Rejection(rec.source, audio, "low_sample_rate", detail))
         seen_paths[rec.audio] = rec.source
         seen_hashes[check.digest] = rec.source
         measured.append((AcceptedClip(rec, check.duration, check.digest), check.speech))

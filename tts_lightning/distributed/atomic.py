@@ -16,6 +16,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import ParallelStrategy
 
+from tts_lightning.errors import ConfigError
+
 META = "meta.pt"  # Lightning's file of a sharded checkpoint's loops, callbacks and hyper-parameters
 INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
 
@@ -173,6 +175,18 @@ class AtomicCheckpoints(ParallelStrategy):
             raise FileNotFoundError(
                 f"cannot resume: checkpoint {path} is missing {where} (node {self.node_rank}). {_RESUME_HINT}"
             )
+        if self.world_size > 1 and (path / META).is_file():
+            # Node-local folders: a save stopped after one node's rename and before another's leaves
+            # the nodes with checkpoints of different steps at one path, which would resume together.
+            steps: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(steps, (self.node_rank, _saved_step(path)))
+            if len({step for _, step in steps}) > 1:
+                nodes = ", ".join(f"node {node}: step {step}" for node, step in sorted(set(steps)))
+                raise ConfigError(
+                    f"cannot resume: checkpoint {path} is of different steps on the nodes ({nodes}), a save "
+                    "stopped between the nodes' renames; resume with --ckpt_path naming a checkpoint of one "
+                    "step on every node (the run's top-k checkpoints, or copy one node's folder to the others)"
+                )
         return path
 
     def remove_checkpoint(self, filepath) -> None:
@@ -196,6 +210,13 @@ class CheckpointWriteError(OSError):
             f"could not write checkpoint {path}: {cause} ({usage.free / 2**30:.2f} GiB free on "
             f"that disk; {reason}). The partial write was removed; an earlier checkpoint at that path is intact."
         )
+
+
+def _saved_step(folder: Path) -> int:
+    """The optimizer step of a sharded checkpoint (from its index and small ``meta.pt``)."""
+    from tts_lightning.model.checkpoint import CheckpointReader
+
+    return CheckpointReader(folder).global_step
 
 
 def _existing_parent(path: Path) -> Path:
