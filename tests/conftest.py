@@ -144,16 +144,17 @@ def run_script(zygotes):
 
 @pytest.fixture(scope="session")
 def run_cli(zygotes):
-    """run_cli(*args, cwd, timeout=900, check=True, pythonpath=(), env=None) -> CompletedProcess: the
+    """run_cli(*args, cwd, timeout=900, check=True, pythonpath=(), env=None, slurm_job=None) -> CompletedProcess: the
     `tts-lightning` command, as many processes as it runs on, started by tests/launcher.py (forked
     from a warm interpreter where it can be); ``pythonpath`` adds folders (e.g. the test's own, for
-    callbacks named in ``--trainer.callbacks``); ``env`` adds environment variables."""
+    callbacks named in ``--trainer.callbacks``); ``env`` adds environment variables; ``slurm_job``:
+    the processes as the tasks of a SLURM job (tests/launcher.py)."""
     from launcher import cli_ranks, launch
 
     def run(
-        *args, cwd, timeout: float = 900, check: bool = True, pythonpath=(), env=None
+        *args, cwd, timeout: float = 900, check: bool = True, pythonpath=(), env=None, slurm_job=None
     ) -> subprocess.CompletedProcess:
-        kwargs = dict(timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath, env=env)
+        kwargs = dict(timeout=timeout, cwd=cwd, check=check, pythonpath=pythonpath, env=env, slurm_job=slurm_job)
         ranks = cli_ranks(args, cwd)
         if ranks is None:  # Lightning starts the other processes: a fresh interpreter, as typed
             return launch(["-m", "tts_lightning", *args], **kwargs)

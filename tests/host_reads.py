@@ -65,7 +65,7 @@ class _Function(TorchFunctionMode):
         self.sink = sink
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_COPIES:
+        if func in HOST_COPIES and id(args[0]) not in self.sink.host_tensors():
             self.sink.host_copies[func.__name__] += 1
             self.sink.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
@@ -123,12 +123,14 @@ class HostReads(L.Callback):
 
         # torch's optimizers keep their step counts on the host (unless fused or capturable, where
         # they are never read back): reading those is no device sync. Nor is the FSDP strategies'
-        # read of the SIGTERM agreement queued at the previous batch's start, from pinned host memory
-        # (tts_lightning/distributed/sigterm.py); the first batch's, queued in the same step, is one.
-        agreement = getattr(trainer.strategy, "_sigterm_pending", None)
-        carried = {id(agreement.host)} if agreement is not None else set()
+        # read of their agreement on signals queued at the previous batch's start, from pinned host
+        # memory (tts_lightning/distributed/scheduler_signals.py); the first batch's, queued in the
+        # same step, is one.
+        agreement = getattr(trainer.strategy, "_signals_pending", None)
+        held = agreement.host if agreement is not None else None  # alive while its id is compared
 
         def steps() -> set[int]:
+            carried = {id(held)} if held is not None else set()
             return carried | {id(s["step"]) for o in trainer.optimizers for s in o.state.values() if "step" in s}
 
         record = _Step(trainer.global_step + 1, steps, batch.padded)

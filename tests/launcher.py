@@ -208,6 +208,7 @@ def launch(
     ranks: int = 1,
     zygotes: Zygotes | None = None,
     node_disks: list | None = None,
+    slurm_job: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python <argv>`` (with ``zygotes``: each rank forked from its own zygote) as ``ranks``
     processes started at once, each in its own session; on timeout (a deadlock) every process
@@ -216,6 +217,8 @@ def launch(
     ``LOCAL_RANK`` as a cluster sets them), node k seeing ``node_disks[k]`` at ``cwd`` (a mount
     namespace per process, zygotes only): the same paths name each node's own storage, as on
     machines with disks of their own.
+    ``slurm_job``: each rank also gets the variables SLURM's ``srun`` sets for a task of that job (one
+    node), so Lightning takes the run for a SLURM job (its `SLURMEnvironment`, auto-requeue on).
     The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
@@ -229,6 +232,11 @@ def launch(
         ]
     else:
         envs = [env]
+    if slurm_job is not None:
+        for rank, e in enumerate(envs):
+            e.update(SLURM_JOB_ID=slurm_job, SLURM_JOB_NAME="tts-lightning", SLURM_NTASKS=str(len(envs)))
+            e.update(SLURM_NTASKS_PER_NODE=str(len(envs)), SLURM_NNODES="1", SLURM_NODEID="0")
+            e.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODELIST="127.0.0.1")
     argv = [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as logs:
         outputs = [(f"{logs}/{r}.out", f"{logs}/{r}.err") for r in range(len(envs))]

@@ -163,7 +163,10 @@ class TTSLightningCLI(LightningCLI):
         if str(path) == "last":
             self._resolve_last()
             return
-        if path is None or str(path) in ("best", "hpc") or "://" in str(path):
+        if str(path) == "hpc" or path is None:
+            self._resolve_requeued(asked=path is not None)
+            return
+        if str(path) == "best" or "://" in str(path):
             return
         environment = getattr(self.trainer.strategy, "cluster_environment", None)
         if environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1:
@@ -184,7 +187,7 @@ class TTSLightningCLI(LightningCLI):
         not `last.ckpt` (the run stopped while saving). Every rank resolves it on its own storage;
         the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
-        newest = newest_checkpoint(dirpath) if dirpath else None
+        newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
         if newest is None:
             return  # Lightning starts from step 0, with its warning that there is no last checkpoint
         check_checkpoint(newest, self._speakers())
@@ -192,6 +195,22 @@ class TTSLightningCLI(LightningCLI):
             print(
                 f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
             )
+        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
+
+    def _resolve_requeued(self, asked: bool) -> None:
+        """A SLURM job without ``--ckpt_path`` (a requeued one; Lightning's rule), or ``--ckpt_path
+        hpc``: the newest complete auto-requeue checkpoint of the run's folder. Lightning takes the
+        highest number, which a save cut short by the time limit may have taken without finishing."""
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        if not asked and not SLURMEnvironment.detect():
+            return
+        newest = newest_checkpoint(None, requeued_in=self.trainer.default_root_dir)
+        if newest is None:
+            return  # none: Lightning starts from step 0 (or says that `hpc` found none)
+        check_checkpoint(newest, self._speakers())
+        if self.trainer.is_global_zero:
+            print(f"resuming from {newest}, the newest complete SLURM requeue checkpoint")
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)
 
     def before_fit(self) -> None:

@@ -7,7 +7,9 @@
   the older one, or from step 0 with a warning. By the time written, not the step: a folder may
   also hold an earlier run's checkpoints of higher steps. A checkpoint that a save set aside
   (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
-  is missing. Half-written saves (``.*.partial``) never do.
+  is missing. Half-written saves (``.*.partial``) never do. So do SLURM's auto-requeue checkpoints
+  (``hpc_ckpt_<n>.ckpt`` in the run's folder), and a SLURM job without ``--ckpt_path`` (a requeued
+  one) resumes from the newest complete one of those, not from a number a cut-short save took.
 - Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
   checkpoint, is one line, not an unpickling traceback.
 """
@@ -21,20 +23,26 @@ from typing import Any
 from tts_lightning.errors import ConfigError
 
 LAST = "last.ckpt"  # Lightning's ModelCheckpoint.CHECKPOINT_NAME_LAST + FILE_EXTENSION
+# Lightning's SLURM auto-requeue saves `hpc_ckpt_<n>.ckpt` in the run's default_root_dir, and a
+# requeued job resumes from the highest <n>, complete or not (a save the time limit cut short).
+REQUEUE_PREFIX = "hpc_ckpt_"
 
 
-def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The complete checkpoint of ``folder`` written last (``last.ckpt`` among equals); None when
-    there is none."""
+def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None = None) -> Path | None:
+    """The complete checkpoint written last (``last.ckpt`` among equals) of ``folder`` and of the
+    SLURM auto-requeue checkpoints (`REQUEUE_PREFIX`) in ``requeued_in`` (the run's
+    ``default_root_dir``, where Lightning writes them); None when there is none."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    candidates = [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
-    set_aside = folder / f".{LAST}.old"
-    if not (folder / LAST).exists() and set_aside.exists():
-        candidates.append(set_aside)  # a save stopped between its two renames
+    candidates = []
+    if folder is not None and Path(folder).is_dir():
+        folder = Path(folder)
+        candidates = [p for p in folder.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")]
+        set_aside = folder / f".{LAST}.old"
+        if not (folder / LAST).exists() and set_aside.exists():
+            candidates.append(set_aside)  # a save stopped between its two renames
+    if requeued_in is not None and Path(requeued_in).is_dir():
+        candidates += [p for p in Path(requeued_in).glob(f"{REQUEUE_PREFIX}*.ckpt") if p not in candidates]
     written = {}
     for path in candidates:
         try:

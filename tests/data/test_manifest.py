@@ -254,15 +254,15 @@ def test_folder_reports_orphan_transcripts_and_unsupported_audio(tmp_path: Path,
     (root / "._a1.txt").write_bytes(b"\x00\x05\x16\x07")  # macOS metadata: skipped
     write_tone(root / "B2.WAV")
     (root / "B2.TXT").write_text("upper-case names", encoding="utf-8")
-    write_tone(root / "a1.flac", subtype="PCM_16")  # the same utterance as a1.wav, sharing a1.txt
+    write_tone(root / "a1.ogg")  # the same utterance as a1.wav, sharing a1.txt: the lossless one is kept
     write_tone(root / "long.mp3.wav")  # another stem: its own clip (no transcript)
     write_tone(root / "x.wav")
     write_tone(root / "x.flac")  # neither has a transcript: two missing transcripts, not duplicates
 
     result = load_manifest(root)
-    assert [r.source for r in result.records] == ["B2.WAV", "a1.flac", "long.wav"]
+    assert [r.source for r in result.records] == ["B2.WAV", "a1.wav", "long.wav"]
     assert [(r.source, r.reason) for r in result.rejected] == [
-        ("a1.wav", "duplicate"),
+        ("a1.ogg", "duplicate"),
         ("alice/a5.m4a", "unreadable_audio"),
         ("long.mp3.wav", "no_transcript"),
         ("orphan.txt", "missing_file"),
@@ -270,7 +270,9 @@ def test_folder_reports_orphan_transcripts_and_unsupported_audio(tmp_path: Path,
         ("x.wav", "no_transcript"),
     ]
     shared = result.rejected[0]
-    assert shared.detail.startswith("a1.wav shares a1.txt with a1.flac") and shared.audio == str(root / "a1.wav")
+    assert shared.detail.startswith("a1.ogg shares a1.txt with a1.wav, which is trained") and shared.audio == str(
+        root / "a1.ogg"
+    )
     unsupported, orphan = result.rejected[1], result.rejected[3]
     assert ".m4a" in unsupported.detail and "not supported" in unsupported.detail and ".wav" in unsupported.detail
     assert unsupported.audio == str(root / "alice" / "a5.m4a")

@@ -233,8 +233,13 @@ def test_telephone_quality_audio_is_trained_on_and_flagged(tmp_path: Path) -> No
         resampled = torchaudio.functional.resample(torch.from_numpy(wave), orig_freq=sr, new_freq=rate)
         sf.write(tmp_path / f"{rate}.wav", resampled.numpy(), rate, subtype="PCM_16")
         records.append(ClipRecord(tmp_path / f"{rate}.wav", text, "alice", f"m:{i}"))
+    # A second 8 kHz clip whose transcript is far too long for it: rejected, so not among the warnings.
+    quiet = torchaudio.functional.resample(0.5 * torch.from_numpy(wave), orig_freq=sr, new_freq=8_000)
+    sf.write(tmp_path / "mismatch.wav", quiet.numpy(), 8_000, subtype="PCM_16")
+    records.append(ClipRecord(tmp_path / "mismatch.wav", text * 20, "alice", "m:4"))
     report = validate_clips(records)
-    assert [c.record.source for c in report.accepted] == ["m:1", "m:2", "m:3"] and report.rejected == []
+    assert [c.record.source for c in report.accepted] == ["m:1", "m:2", "m:3"]
+    assert [(r.source, r.reason) for r in report.rejected] == [("m:4", "transcript_mismatch")]
     (warning,) = report.warnings
     assert (warning.source, warning.reason) == ("m:1", "low_sample_rate")
     assert warning.detail.startswith("recorded at 8000 Hz: it holds nothing above 4000 Hz")

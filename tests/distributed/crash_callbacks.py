@@ -20,17 +20,19 @@ class CrashAt(Callback):
             os._exit(1)
 
 
-class SigtermAt(Callback):
-    """Rank ``rank`` gets SIGTERM inside the backward of optimizer step ``step + 1`` (where Lightning's
-    own handler would broadcast while the other rank is in an FSDP collective); every rank must
-    stop at the start of the same later batch and exit with the SIGTERM status."""
+class SignalAt(Callback):
+    """Rank ``rank`` gets ``signal`` (SIGTERM, or SLURM's requeue signal SIGUSR1) inside the backward
+    of optimizer step ``step + 1`` (where Lightning's own handlers would broadcast or save while the
+    other rank is in an FSDP collective); every rank must act on it at the start of the same later
+    batch (SIGTERM: stop and exit with the SIGTERM status)."""
 
-    def __init__(self, step: int, rank: int = 1) -> None:
+    def __init__(self, step: int, rank: int = 1, signal: str = "SIGTERM") -> None:
         self.step, self.rank = step, rank  # step -1: in the sanity check's first validation batch
+        self.signal = signal
 
     def _send(self, trainer) -> None:
-        print(f"[SigtermAt] SIGTERM to rank {self.rank} at global_step {self.step}", flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        print(f"[SignalAt] {self.signal} to rank {self.rank} at global_step {self.step}", flush=True)
+        os.kill(os.getpid(), getattr(signal, self.signal))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
@@ -42,4 +44,4 @@ class SigtermAt(Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         rank, step, name = trainer.global_rank, trainer.global_step, type(exception).__name__
-        print(f"[SigtermAt] rank {rank} stops after global_step {step}: {name}", flush=True)
+        print(f"[SignalAt] rank {rank} stops after global_step {step}: {name}", flush=True)

@@ -42,8 +42,8 @@ GOLDEN_VAL_LOSS = {3: 8.694840431213379, 7: 7.801898002624512}  # val/loss at st
 def cli(run_cli):
     """The shared launcher (tests/conftest.py), with this folder on PYTHONPATH (crash_callbacks)."""
 
-    def run(*args, cwd, check=True, timeout=900):
-        return run_cli(*args, cwd=cwd, check=check, timeout=timeout, pythonpath=[HERE])
+    def run(*args, cwd, check=True, timeout=900, slurm_job=None):
+        return run_cli(*args, cwd=cwd, check=check, timeout=timeout, pythonpath=[HERE], slurm_job=slurm_job)
 
     return run
 
@@ -149,9 +149,9 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
     )
     resumed_dir = f"resumed-{state_dict_type}-{optimizer}"
     # The full-checkpoint run is stopped by a SIGTERM to rank 1 alone, in its backward (a scheduler's
-    # stop; tts_lightning/distributed/sigterm.py), the others are killed.
+    # stop; tts_lightning/distributed/scheduler_signals.py), the others are killed.
     sigterm = state_dict_type == "full"
-    stop = "SigtermAt" if sigterm else "CrashAt"
+    stop = "SignalAt" if sigterm else "CrashAt"
     # The ranks stop at the start of the second batch after the one in which rank 1 got the signal
     # (its all-reduce is read one batch later): the signal comes a step earlier for the same stop.
     at = CRASH - 1 if sigterm else CRASH
@@ -166,7 +166,7 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
         assert crashed.returncode == 143, crashed.stderr[-3000:]
         assert "stopped by SIGTERM before the end" in crashed.stderr and "--ckpt_path last" in crashed.stderr
         for rank in (0, 1):  # both at the same batch, before the next checkpoint's step
-            assert f"[SigtermAt] rank {rank} stops after global_step {CRASH + 1}: SIGTERMException" in crashed.stdout
+            assert f"[SignalAt] rank {rank} stops after global_step {CRASH + 1}: SIGTERMException" in crashed.stdout
     else:
         assert crashed.returncode != 0 and f"[CrashAt] rank 0 exits at global_step {CRASH}" in crashed.stdout
     checkpoints = workdir / resumed_dir / "checkpoints"
@@ -201,8 +201,8 @@ def test_resume_from_last_equals_uninterrupted(workdir, tiny_dir, cli, state_dic
 
 def test_a_sigterm_in_the_sanity_check_stops_every_rank_at_the_first_batch(workdir, tiny_dir, cli):
     """Lightning registers its SIGTERM handlers just before the sanity check: one rank's signal there
-    stops both ranks before the first training batch (tts_lightning/distributed/sigterm.py), as later."""
-    sigterm = '{"class_path": "crash_callbacks.SigtermAt", "init_args": {"step": -1}}'
+    stops both ranks before the first training batch (tts_lightning/distributed/scheduler_signals.py), as later."""
+    sigterm = '{"class_path": "crash_callbacks.SignalAt", "init_args": {"step": -1}}'
     stopped = cli(
         *fit_args(
             TINY_CPU, workdir, tiny_dir, "sigterm-sanity", "--trainer.max_steps", "2", f"--trainer.callbacks+={sigterm}"
@@ -212,9 +212,43 @@ def test_a_sigterm_in_the_sanity_check_stops_every_rank_at_the_first_batch(workd
         timeout=300,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "[SigtermAt] SIGTERM to rank 1 at global_step -1" in stopped.stdout
+    assert "[SignalAt] SIGTERM to rank 1 at global_step -1" in stopped.stdout
     for rank in (0, 1):
-        assert f"[SigtermAt] rank {rank} stops after global_step 0: SIGTERMException" in stopped.stdout
+        assert f"[SignalAt] rank {rank} stops after global_step 0: SIGTERMException" in stopped.stdout
+
+
+def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(workdir, tiny_dir, cli, fitted):
+    """SLURM's requeue signal (SIGUSR1, `sbatch --signal=USR1@90`, with Lightning's auto-requeue) to
+    rank 1 alone inside its backward: Lightning's handler saved a checkpoint from inside the signal
+    handler, its collectives meeting the other rank's FSDP collective (a hang). Now both ranks save
+    `hpc_ckpt_1.ckpt` at the start of the same later batch (tts_lightning/distributed/scheduler_signals.py),
+    the run goes on to its end (requeuing needs SLURM's `scontrol`, absent here: Lightning logs the
+    failure), and its weights are the uninterrupted run's. Started again as the requeued job is (no
+    `--ckpt_path`), it resumes from that checkpoint, not from the higher number of a save the time
+    limit cut short (Lightning's choice), and ends with them too."""
+    common = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY)
+    usr1 = f'{{"class_path": "crash_callbacks.SignalAt", "init_args": {{"step": {CRASH - 1}, "signal": "SIGUSR1"}}}}'
+    run = workdir / "requeued"
+    signalled = cli(
+        *fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common, f"--trainer.callbacks+={usr1}"),
+        cwd=workdir,
+        timeout=300,
+        slurm_job="4242",
+    )
+    assert f"[SignalAt] SIGUSR1 to rank 1 at global_step {CRASH - 1}" in signalled.stdout
+    hpc = run / "hpc_ckpt_1.ckpt"
+    assert load_training_checkpoint(hpc).global_step == CRASH + 1  # acted on two batches later, on every rank
+    assert sorted(p.name for p in hpc.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    straight = final_weights(fitted[0])
+    for resumed in (False, True):
+        if resumed:
+            shutil.copytree(hpc, run / ".hpc_ckpt_2.ckpt.partial", ignore=shutil.ignore_patterns("meta.pt"))
+            requeued = cli(*fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common), cwd=workdir, slurm_job="4242")
+            assert f"resuming from {hpc}, the newest complete SLURM requeue checkpoint" in requeued.stdout
+        weights = final_weights(run)
+        assert weights.global_step == STEPS
+        for key, value in straight.state_dict.items():
+            torch.testing.assert_close(weights.state_dict[key], value, atol=1e-6, rtol=1e-5, msg=key)
 
 
 def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
@@ -239,6 +273,11 @@ def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
     assert newest_checkpoint(folder) == topk[STEPS]
     shutil.rmtree(topk[STEPS])
     assert newest_checkpoint(folder) == topk[EVERY]  # not the earlier run's step 9999
+    # SLURM's auto-requeue checkpoints, in the run's folder, count too.
+    requeued = shutil.copytree(topk[EVERY], tmp_path / "hpc_ckpt_1.ckpt")
+    os.utime(requeued / "meta.pt")
+    assert newest_checkpoint(folder, requeued_in=tmp_path) == requeued
+    assert newest_checkpoint(None, requeued_in=tmp_path) == requeued
     assert newest_checkpoint(tmp_path / "nope") is None
 
 

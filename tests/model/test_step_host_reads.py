@@ -17,7 +17,7 @@ from tts_lightning.cli import StepProgressBar
 
 LOG_EVERY = 3
 TRANSFORMERS_MASK_CHECK = " _ignore_causal_mask_sdpa"  # transformers/masking_utils.py
-SIGTERM_AGREED = " result"  # tts_lightning/distributed/sigterm.py
+SIGNALS_AGREED = " result"  # tts_lightning/distributed/scheduler_signals.py
 
 
 def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, tmp_path):
@@ -70,12 +70,12 @@ def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, ru
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [s["step"] for s in steps] == list(range(1, 2 * LOG_EVERY + 1)), steps
         quiet = [s for s in steps if s["step"] % LOG_EVERY]
-        # The FSDP strategies' SIGTERM agreement waits on the first batch only (later batches read the
-        # previous batch's, from the host: tts_lightning/distributed/sigterm.py; Lightning's own
+        # The FSDP strategies' agreement on signals waits on the first batch only (later batches read the
+        # previous batch's, from the host: tts_lightning/distributed/scheduler_signals.py; Lightning's own
         # per-step broadcast and read of its flag is off); transformers' mask check reads where the
         # batch pads nothing.
         for s in quiet:
-            expected = ([] if s["padded"] else [TRANSFORMERS_MASK_CHECK]) + ([SIGTERM_AGREED] if s["step"] == 1 else [])
+            expected = ([] if s["padded"] else [TRANSFORMERS_MASK_CHECK]) + ([SIGNALS_AGREED] if s["step"] == 1 else [])
             assert s["syncs"] == len(expected), (rank, quiet)
             assert sorted(site[site.rindex(" ") :] for site in s["sites"]) == sorted(expected), (rank, quiet)
         assert all(s["shape_reads"] == 0 for s in steps), (rank, steps)

@@ -31,6 +31,7 @@ _UNSUPPORTED_AUDIO_EXTENSIONS = (
     - AUDIO_EXTENSIONS
 )
 SUBTITLE_EXTENSIONS = (".srt", ".vtt")
+_LOSSLESS = frozenset({".wav", ".flac", ".aif", ".aiff"})
 _SUPPORTED_LIST = "/".join(sorted(AUDIO_EXTENSIONS))
 
 # Every rejection reason code used by the data pipeline (manifest + validation).
@@ -364,6 +365,10 @@ def _folder_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
+def _lossless_first(audio: Path) -> tuple[bool, str]:
+    return audio.suffix.lower() not in _LOSSLESS, audio.name
+
+
 def _transcript_for(audio: Path) -> Path:
     """The ``.txt`` (or ``.TXT``) beside ``audio``; the ``.txt`` name when there is none."""
     upper = audio.with_suffix(".TXT")
@@ -383,17 +388,11 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
     audio_stems = {
         (p.parent, p.stem) for p in files if p.suffix.lower() in AUDIO_EXTENSIONS | _UNSUPPORTED_AUDIO_EXTENSIONS
     }
-    read_with: dict[Path, str] = {}  # transcript or subtitles -> the audio file it was read with
-
-    def shared(source: str, audio: Path, text: Path) -> bool:
-        """``003.flac`` and ``003.mp3`` beside one ``003.txt``: the same utterance twice; the first kept."""
-        first = read_with.setdefault(text, source)
-        if first != source:
-            detail = (
-                f"{source} shares {text.name} with {first} (one recording per transcript: give it its own or remove it)"
-            )
-            rejected.append(Rejection(source, str(audio), "duplicate", detail))
-        return first != source
+    # Recordings beside one transcript (003.wav, 003.mp3 and 003.txt) are the same utterance: one is
+    # kept, lossless before lossy, then by name; the others are duplicates.
+    beside: dict[tuple[Path, str], Path] = {}
+    for p in sorted((p for p in files if p.suffix.lower() in AUDIO_EXTENSIONS), key=_lossless_first):
+        beside.setdefault((p.parent, p.stem), p)
 
     for path in files:
         rel = path.relative_to(root)
@@ -427,7 +426,13 @@ def read_folder(root: Path, default_speaker: str = "speaker", encoding: str | No
         speaker = rel.parts[0] if len(rel.parts) > 1 else default_speaker
         txt = _transcript_for(path)
         subtitles = None if txt.is_file() else subtitles_for(path)
-        if (subtitles is not None or txt.is_file()) and shared(source, path, subtitles or txt):
+        kept = beside[(path.parent, path.stem)]
+        if kept != path and (subtitles is not None or txt.is_file()):
+            detail = (
+                f"{source} shares {(subtitles or txt).name} with {kept.relative_to(root).as_posix()}, which is "
+                "trained (one recording per transcript: give this one its own or remove it)"
+            )
+            rejected.append(Rejection(source, str(path), "duplicate", detail))
             continue
         if subtitles is not None:
             records.append(

@@ -311,6 +311,7 @@ def validate_clips(
     seen_paths: dict[Path, str] = {}
     seen_hashes: dict[str, str] = {}
     measured: list[tuple[AcceptedClip, float]] = []  # (clip, seconds of speech)
+    flagged: list[list[Rejection]] = []  # each measured clip's doubts
     ref_checks: dict[Path, FileCheck] = {}
 
     for rec in records:
@@ -346,17 +347,19 @@ def validate_clips(
             if ref.digest is None or ref.reason in _BAD_REFERENCE:
                 reject(ref.reason or "unreadable_audio", f"reference audio {rec.ref_audio}: {ref.detail}")
                 continue
+        doubts = []  # listed in the report's warnings if the clip is accepted in the end
         if check.clipped is not None:
-            report.warnings.append(Rejection(rec.source, audio, "clipped", check.clipped))
+            doubts.append(Rejection(rec.source, audio, "clipped", check.clipped))
         if 0 < check.rate < LOW_SAMPLE_RATE:
             detail = (
                 f"recorded at {check.rate} Hz: it holds nothing above {check.rate // 2} Hz, and the model learns "
                 "that muffled sound from it (a better recording, or leave it out)"
             )
-            report.warnings.append(Rejection(rec.source, audio, "low_sample_rate", detail))
+            doubts.append(Rejection(rec.source, audio, "low_sample_rate", detail))
         seen_paths[rec.audio] = rec.source
         seen_hashes[check.digest] = rec.source
         measured.append((AcceptedClip(rec, check.duration, check.digest), check.speech))
+        flagged.append(doubts)
 
     problems = _check_speaking_rates(measured, config)
     for i, (clip, _) in enumerate(measured):
@@ -365,6 +368,7 @@ def validate_clips(
             if config.mismatch_action == "reject":
                 report.rejected.append(entry)
                 continue
-            report.warnings.append(entry)
+            flagged[i].append(entry)
+        report.warnings += flagged[i]
         report.accepted.append(clip)
     return report

@@ -18,7 +18,7 @@ from tts_lightning.data.manifest import ManifestResult, Rejection
 from tts_lightning.data.validation import AcceptedClip, FileCheck, ValidationConfig, ValidationReport, validate_clips
 from tts_lightning.files import atomic_write_json
 
-VALIDATION_MEMO_VERSION = 3
+VALIDATION_MEMO_VERSION = 4  # 4: checks record the sample rate (low_sample_rate warnings)
 
 
 def validation_memo_path(cache_dir: Path, manifest: str) -> Path:

@@ -175,17 +175,17 @@ class AtomicCheckpoints(ParallelStrategy):
             raise FileNotFoundError(
                 f"cannot resume: checkpoint {path} is missing {where} (node {self.node_rank}). {_RESUME_HINT}"
             )
-        if self.world_size > 1 and (path / META).is_file():
+        if self.num_nodes > 1 and (path / META).is_file():
             # Node-local folders: a save stopped after one node's rename and before another's leaves
             # the nodes with checkpoints of different steps at one path, which would resume together.
             steps: list[Any] = [None] * self.world_size
             torch.distributed.all_gather_object(steps, (self.node_rank, _saved_step(path)))
             if len({step for _, step in steps}) > 1:
-                nodes = ", ".join(f"node {node}: step {step}" for node, step in sorted(set(steps)))
+                nodes = ", ".join(f"node {node}: {step}" for node, step in sorted(set(steps)))
                 raise ConfigError(
-                    f"cannot resume: checkpoint {path} is of different steps on the nodes ({nodes}), a save "
-                    "stopped between the nodes' renames; resume with --ckpt_path naming a checkpoint of one "
-                    "step on every node (the run's top-k checkpoints, or copy one node's folder to the others)"
+                    f"cannot resume: checkpoint {path} differs between the nodes ({nodes}), a save stopped "
+                    "between the nodes' renames; resume with --ckpt_path naming a checkpoint of one step on "
+                    "every node (the run's top-k checkpoints, or copy one node's folder to the others)"
                 )
         return path
 
@@ -212,11 +212,15 @@ class CheckpointWriteError(OSError):
         )
 
 
-def _saved_step(folder: Path) -> int:
-    """The optimizer step of a sharded checkpoint (from its index and small ``meta.pt``)."""
-    from tts_lightning.model.checkpoint import CheckpointReader
-
-    return CheckpointReader(folder).global_step
+def _saved_step(folder: Path) -> str:
+    """``step N`` of a sharded checkpoint, from its small ``meta.pt`` (loops, callbacks, settings;
+    read as the strategies' load reads it by default), or why it cannot be read: said on every
+    rank, never raised on some."""
+    try:
+        meta = torch.load(folder / META, map_location="cpu", weights_only=True)
+        return f"step {int(meta['global_step'])}"
+    except Exception as exc:  # truncated, corrupt, not Lightning's
+        return f"unreadable meta.pt ({type(exc).__name__})"
 
 
 def _existing_parent(path: Path) -> Path:

@@ -39,7 +39,7 @@ from tts_lightning.distributed.atomic import AtomicCheckpoints, CheckpointWriteE
 from tts_lightning.distributed.lean_state import LeanShards
 from tts_lightning.distributed.processes import split_cpu_threads
 from tts_lightning.distributed.row_chunks import checkpoint_wrapped_predictor_by_rows
-from tts_lightning.distributed.sigterm import StopOnSigterm
+from tts_lightning.distributed.scheduler_signals import SchedulerSignals
 
 __all__ = [
     "CheckpointWriteError",
@@ -109,7 +109,7 @@ class Qwen3TTSFSDPPrecision(FSDPPrecision):
         model.clip_grad_norm_(clip_val)
 
 
-class Qwen3TTSFSDPStrategy(StopOnSigterm, AtomicCheckpoints, FSDPStrategy):
+class Qwen3TTSFSDPStrategy(SchedulerSignals, AtomicCheckpoints, FSDPStrategy):
     """FSDP for Qwen3-TTS. Every argument can be set from YAML under ``trainer.strategy.init_args``.
 
     Args:

@@ -62,7 +62,7 @@ from tts_lightning.distributed.atomic import AtomicCheckpoints
 from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, import_classes
 from tts_lightning.distributed.processes import choose_backend, split_cpu_threads
 from tts_lightning.distributed.row_chunks import checkpoint_by_rows
-from tts_lightning.distributed.sigterm import StopOnSigterm
+from tts_lightning.distributed.scheduler_signals import SchedulerSignals
 from tts_lightning.model.parameters import absent_speaker_encoder
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ DEFAULT_GROUPS = (
 )
 
 
-class Qwen3TTSFSDP2Strategy(StopOnSigterm, AtomicCheckpoints, ModelParallelStrategy):
+class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelStrategy):
     """FSDP2 for Qwen3-TTS. Every argument can be set from YAML under ``trainer.strategy.init_args``.
 
     Args:
