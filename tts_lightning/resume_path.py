@@ -7,9 +7,10 @@
   the older one, or from step 0 with a warning. By the time written, not the step: a folder may
   also hold an earlier run's checkpoints of higher steps. A checkpoint that a save set aside
   (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
-  is missing. Half-written saves (``.*.partial``) never do. So do SLURM's auto-requeue checkpoints
-  (``hpc_ckpt_<n>.ckpt`` in the run's folder), and a SLURM job without ``--ckpt_path`` (a requeued
-  one) resumes from the newest complete one of those, not from a number a cut-short save took.
+  is missing. Half-written saves (``.*.partial``) never do (a fit's start removes them). SLURM's
+  auto-requeue checkpoints (``hpc_ckpt_<n>.ckpt`` in the run's folder) count too, and a SLURM job
+  without ``--ckpt_path`` (a requeued one) resumes from the newest complete one of those, not from
+  a number that a save the time limit cut short took.
 - Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
   checkpoint, is one line, not an unpickling traceback.
 """

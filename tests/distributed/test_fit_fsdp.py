@@ -245,6 +245,7 @@ def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(w
             shutil.copytree(hpc, run / ".hpc_ckpt_2.ckpt.partial", ignore=shutil.ignore_patterns("meta.pt"))
             requeued = cli(*fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common), cwd=workdir, slurm_job="4242")
             assert f"resuming from {hpc}, the newest complete SLURM requeue checkpoint" in requeued.stdout
+            assert not (run / ".hpc_ckpt_2.ckpt.partial").exists()  # removed when the fit started
         weights = final_weights(run)
         assert weights.global_step == STEPS
         for key, value in straight.state_dict.items():

@@ -3,6 +3,8 @@ same strategy): SLURM's requeue signal saves `hpc_ckpt_1.ckpt` at the next batch
 inside the signal handler (where Lightning's handler would save a half-updated step); SIGTERM stops
 at the next batch's start. Several processes: tests/distributed/test_fit_fsdp.py."""
 
+import signal
+
 import lightning as L
 import pytest
 from crash_callbacks import SignalAt
@@ -37,8 +39,14 @@ def test_one_process_saves_on_requeue_and_stops_on_sigterm_at_the_next_batch(
         callbacks=[SignalAt(1, rank=0, signal="SIGUSR1"), SignalAt(3, rank=0, signal="SIGTERM")],
     )
     assert type(trainer.strategy.cluster_environment).__name__ == "SLURMEnvironment"
-    with pytest.raises(SIGTERMException):
-        trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
+    # Python's default SIGTERM, as in a fresh process (a Ray test earlier in this worker leaves Ray's
+    # handler, `sys.exit`, which Lightning's composed handler would call too).
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SIGTERMException):
+            trainer.fit(Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names), datamodule=data)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert trainer.global_step == 4  # stopped before step 5
     assert load_training_checkpoint(tmp_path / "hpc_ckpt_1.ckpt").global_step == 2  # saved before step 3
     assert not list(tmp_path.glob(".*partial"))

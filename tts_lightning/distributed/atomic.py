@@ -136,8 +136,21 @@ class AtomicCheckpoints(ParallelStrategy):
         from tts_lightning.distributed.rank_local_state import prepare_full_saves
 
         self._check_full_checkpoint_storage(trainer)
+        self._remove_cut_short_saves(trainer)
         super().setup(trainer)
         prepare_full_saves(self)  # after the optimizers exist
+
+    def _remove_cut_short_saves(self, trainer) -> None:
+        """Half-written checkpoints a killed save left (``.<name>.partial``, never resumed from) go
+        when a fit starts: a save removes only its own name's, and the next top-k or requeue
+        checkpoint has another name (a model-size leftover per kill otherwise). Each node's local
+        rank 0, on its own storage; not in `validate`, which may run beside a fit that is saving."""
+        if self.local_rank != 0 or trainer.state.fn != "fit":
+            return
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        for folder in {Path(trainer.default_root_dir), *([Path(dirpath)] if dirpath else [])}:
+            for leftover in folder.glob(".*.ckpt.partial") if folder.is_dir() else ():
+                _remove(leftover)
 
     def _check_full_checkpoint_storage(self, trainer) -> None:
         """A full checkpoint is one file that global rank 0 writes: a run of several nodes can resume
