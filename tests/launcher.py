@@ -222,6 +222,8 @@ def launch(
     The outputs are joined in rank order; the exit status is the first non-zero."""
     path = os.pathsep.join([str(REPO), *map(str, pythonpath)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    if slurm_job is None:  # a suite run inside a SLURM job: Lightning would take every run for one of its tasks
+        env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     per_node = ranks // len(node_disks) if node_disks else ranks
     disks = [(node_disks[r // per_node], cwd) if node_disks else None for r in range(ranks)]
     assert not node_disks or zygotes is not None, "node-local disks need the zygotes"

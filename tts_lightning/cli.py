@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.model.module import Qwen3TTSModule
-from tts_lightning.resume_path import LAST, check_checkpoint, newest_checkpoint
+from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, check_checkpoint, newest_checkpoint, remove_half_written
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
@@ -198,19 +198,29 @@ class TTSLightningCLI(LightningCLI):
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)
 
     def _resolve_requeued(self, asked: bool) -> None:
-        """A SLURM job without ``--ckpt_path`` (a requeued one; Lightning's rule), or ``--ckpt_path
-        hpc``: the newest complete auto-requeue checkpoint of the run's folder. Lightning takes the
-        highest number, which a save cut short by the time limit may have taken without finishing."""
+        """A SLURM job without ``--ckpt_path`` whose folder has auto-requeue checkpoints (a requeued
+        job: Lightning's rule) resumes from the run's newest complete checkpoint, theirs included
+        (a job requeued by a preemption may have a newer `last.ckpt`); ``--ckpt_path hpc`` from the
+        newest complete auto-requeue checkpoint. Lightning takes the highest `hpc_ckpt_<n>`, which
+        a save the time limit cut short may have taken without finishing."""
         from lightning.fabric.plugins.environments import SLURMEnvironment
 
-        if not asked and not SLURMEnvironment.detect():
-            return
-        newest = newest_checkpoint(None, requeued_in=self.trainer.default_root_dir)
+        root = Path(self.trainer.default_root_dir)
+        if not asked:
+            requeued = root.is_dir() and any(REQUEUE_PREFIX in p.name for p in root.iterdir())
+            if not requeued or not SLURMEnvironment.detect():
+                return
+        dirpath = None if asked else getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        newest = newest_checkpoint(dirpath, requeued_in=root)
         if newest is None:
-            return  # none: Lightning starts from step 0 (or says that `hpc` found none)
+            if not asked:  # half-written ones only: Lightning would resume from a missing path
+                remove_half_written(root, REQUEUE_PREFIX)
+                if self.trainer.is_global_zero:
+                    print(f"no complete checkpoint in {root} to resume this SLURM job from: starting at step 0")
+            return  # `hpc` asked for: Lightning says it found none
         check_checkpoint(newest, self._speakers())
         if self.trainer.is_global_zero:
-            print(f"resuming from {newest}, the newest complete SLURM requeue checkpoint")
+            print(f"resuming this SLURM job from {newest}, the run's newest complete checkpoint")
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)
 
     def before_fit(self) -> None:

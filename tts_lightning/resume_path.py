@@ -9,8 +9,8 @@
   (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
   is missing. Half-written saves (``.*.partial``) never do (a fit's start removes them). SLURM's
   auto-requeue checkpoints (``hpc_ckpt_<n>.ckpt`` in the run's folder) count too, and a SLURM job
-  without ``--ckpt_path`` (a requeued one) resumes from the newest complete one of those, not from
-  a number that a save the time limit cut short took.
+  without ``--ckpt_path`` whose folder has them (a requeued one) resumes from the run's newest
+  complete checkpoint, not from a number that a save the time limit cut short took.
 - Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
   checkpoint, is one line, not an unpickling traceback.
 """
@@ -56,6 +56,19 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
     if not written:
         return None
     return max(written, key=lambda p: (written[p], p.name == LAST))
+
+
+def remove_half_written(folder: str | Path, prefix: str = "") -> None:
+    """Remove the half-written checkpoints (``.<name>.partial``) a killed save left in ``folder``,
+    of names starting with ``prefix``: never resumed from, and a later save has another name."""
+    import shutil
+
+    folder = Path(folder)
+    for leftover in folder.glob(f".{prefix}*.ckpt.partial") if folder.is_dir() else ():
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)  # another rank may remove it too (shared storage)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> dict[str, Any]:

@@ -42,8 +42,8 @@ GOLDEN_VAL_LOSS = {3: 8.694840431213379, 7: 7.801898002624512}  # val/loss at st
 def cli(run_cli):
     """The shared launcher (tests/conftest.py), with this folder on PYTHONPATH (crash_callbacks)."""
 
-    def run(*args, cwd, check=True, timeout=900, slurm_job=None):
-        return run_cli(*args, cwd=cwd, check=check, timeout=timeout, pythonpath=[HERE], slurm_job=slurm_job)
+    def run(*args, cwd, check=True, timeout=900, slurm_job=None, env=None):
+        return run_cli(*args, cwd=cwd, check=check, timeout=timeout, pythonpath=[HERE], slurm_job=slurm_job, env=env)
 
     return run
 
@@ -221,31 +221,47 @@ def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(w
     """SLURM's requeue signal (SIGUSR1, `sbatch --signal=USR1@90`, with Lightning's auto-requeue) to
     rank 1 alone inside its backward: Lightning's handler saved a checkpoint from inside the signal
     handler, its collectives meeting the other rank's FSDP collective (a hang). Now both ranks save
-    `hpc_ckpt_1.ckpt` at the start of the same later batch (tts_lightning/distributed/scheduler_signals.py),
-    the run goes on to its end (requeuing needs SLURM's `scontrol`, absent here: Lightning logs the
-    failure), and its weights are the uninterrupted run's. Started again as the requeued job is (no
-    `--ckpt_path`), it resumes from that checkpoint, not from the higher number of a save the time
-    limit cut short (Lightning's choice), and ends with them too."""
+    `hpc_ckpt_1.ckpt` at the end of the same later batch (tts_lightning/distributed/scheduler_signals.py)
+    and rank 0 asks SLURM to requeue the job, once; the run goes on to its end with the uninterrupted
+    run's weights. Started again as the requeued job is (no `--ckpt_path`; its later checkpoints
+    gone, as if the time limit had stopped it right after the save), it resumes from that checkpoint,
+    not from the higher number of a save the time limit cut short (Lightning's choice), and ends
+    with them too."""
+    # What Lightning asks of SLURM (`scontrol requeue <job>`), recorded: there is no SLURM here.
+    bin_dir = workdir / "slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = workdir / "scontrol-calls.txt"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "rank $SLURM_PROCID: $*" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     common = ("--trainer.max_steps", STEPS, "--trainer.val_check_interval", EVERY)
-    usr1 = f'{{"class_path": "crash_callbacks.SignalAt", "init_args": {{"step": {CRASH - 1}, "signal": "SIGUSR1"}}}}'
+    usr1 = '{"class_path": "crash_callbacks.SignalAt", "init_args": {"step": 3, "signal": "SIGUSR1"}}'
     run = workdir / "requeued"
     signalled = cli(
         *fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common, f"--trainer.callbacks+={usr1}"),
         cwd=workdir,
         timeout=300,
         slurm_job="4242",
+        env=env,
     )
-    assert f"[SignalAt] SIGUSR1 to rank 1 at global_step {CRASH - 1}" in signalled.stdout
+    assert "[SignalAt] SIGUSR1 to rank 1 at global_step 3" in signalled.stdout
     hpc = run / "hpc_ckpt_1.ckpt"
-    assert load_training_checkpoint(hpc).global_step == CRASH + 1  # acted on two batches later, on every rank
+    # In step 4's backward; agreed at step 6's start (the all-reduce queued at step 5's); saved at its end.
+    assert load_training_checkpoint(hpc).global_step == 6
     assert sorted(p.name for p in hpc.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in run.glob("*hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
+    assert calls.read_text() == "rank 0: requeue 4242\n"
     straight = final_weights(fitted[0])
     for resumed in (False, True):
         if resumed:
+            shutil.rmtree(run / "checkpoints")
             shutil.copytree(hpc, run / ".hpc_ckpt_2.ckpt.partial", ignore=shutil.ignore_patterns("meta.pt"))
-            requeued = cli(*fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common), cwd=workdir, slurm_job="4242")
-            assert f"resuming from {hpc}, the newest complete SLURM requeue checkpoint" in requeued.stdout
+            requeued = cli(
+                *fit_args(TINY_CPU, workdir, tiny_dir, "requeued", *common), cwd=workdir, slurm_job="4242", env=env
+            )
+            assert f"resuming this SLURM job from {hpc}, the run's newest complete checkpoint" in requeued.stdout
             assert not (run / ".hpc_ckpt_2.ckpt.partial").exists()  # removed when the fit started
+            assert calls.read_text() == "rank 0: requeue 4242\n"  # no signal this time
         weights = final_weights(run)
         assert weights.global_step == STEPS
         for key, value in straight.state_dict.items():

@@ -147,10 +147,11 @@ class AtomicCheckpoints(ParallelStrategy):
         rank 0, on its own storage; not in `validate`, which may run beside a fit that is saving."""
         if self.local_rank != 0 or trainer.state.fn != "fit":
             return
+        from tts_lightning.resume_path import remove_half_written
+
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         for folder in {Path(trainer.default_root_dir), *([Path(dirpath)] if dirpath else [])}:
-            for leftover in folder.glob(".*.ckpt.partial") if folder.is_dir() else ():
-                _remove(leftover)
+            remove_half_written(folder)
 
     def _check_full_checkpoint_storage(self, trainer) -> None:
         """A full checkpoint is one file that global rank 0 writes: a run of several nodes can resume

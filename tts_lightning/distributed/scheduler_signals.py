@@ -14,9 +14,11 @@ batch in which that rank saw SIGTERM, a different batch where ranks see it at di
 for ones that only note the signal (the SIGTERM one, like Lightning's, passes it on to the
 processes Lightning started), from the sanity check on (Lightning registers its handlers just
 before it). At the start of each training batch the ranks all-reduce their notes, and act on the
-all-reduce of the batch before (the first batch waits for its own): every rank runs Lightning's
-requeue handler there (its checkpoint then holds the same step on every rank), and stops there on
-SIGTERM (as Lightning stops: its `SIGTERMException`). The result is copied to the host without
+all-reduce of the batch before (the first batch waits for its own): on SIGTERM all stop there (as
+Lightning stops: its `SIGTERMException`); on the requeue signal every rank runs Lightning's requeue
+handler at the end of that batch or, accumulating gradients, of the first later one that steps the
+optimizer: where `ModelCheckpoint` saves, so the checkpoint holds one step on every rank and
+resumes as its checkpoints do. The result is copied to the host without
 waiting and read one batch later, when the GPU is long past it: no step waits for the GPU's queue
 to drain (Lightning's own per-step broadcast and read of its SIGTERM flag, which can no longer be
 set once its notifier is gone, is switched off: an open Lightning PR, #21640, makes it optional).
@@ -32,6 +34,7 @@ import threading
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 
 class SchedulerSignals:
@@ -41,12 +44,15 @@ class SchedulerSignals:
     _sigterm_noted = False
     _requeue_noted = False
     _requeued = False
+    _requeue_due = False
     _signals_pending: _Agreement | None = None
 
     def setup(self, trainer: Any) -> None:
         self._sigterm_noted = self._requeue_noted = self._requeued = False
         self._signals_pending = None
         super().setup(trainer)  # type: ignore[misc]
+        if not any(isinstance(c, _RequeueAtStepEnd) for c in trainer.callbacks):
+            trainer.callbacks.append(_RequeueAtStepEnd())  # stateless: nothing in the checkpoints
 
     def on_validation_start(self) -> None:
         super().on_validation_start()  # type: ignore[misc]
@@ -90,17 +96,29 @@ class SchedulerSignals:
             agreed = previous.result() if previous is not None else None
             self._signals_pending = _Agreement((sigterm, requeue), self.root_device)  # type: ignore[attr-defined]
             sigterm, requeue = agreed if agreed is not None else self._signals_pending.result()  # the first batch waits
-        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        if requeue and not self._requeued:  # every rank, at the start of the same batch
-            self._requeued = True
-            # Lightning's handler: loggers finalized, a checkpoint (`hpc_ckpt_<n>.ckpt` in the run's
-            # folder, which a requeued run resumes from), and SLURM's requeue from global rank 0.
-            trainer._signal_connector._slurm_sigusr_handler_fn(self.cluster_environment.requeue_signal, None)  # type: ignore[attr-defined]
+        self._requeue_due = requeue and not self._requeued  # the same on every rank
         if sigterm:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-            trainer._signal_connector.received_sigterm = True
+            self.lightning_module.trainer._signal_connector.received_sigterm = True  # type: ignore[attr-defined]
             raise SIGTERMException()
+
+    def requeue_if_due(self, trainer: Any) -> None:
+        """At the end of a training batch that stepped the optimizer (`_RequeueAtStepEnd`), after the
+        requeue signal was agreed on: Lightning's handler, once, on every rank (loggers finalized,
+        `hpc_ckpt_<n>.ckpt` in the run's folder, which the requeued job resumes from, and SLURM's
+        requeue from global rank 0)."""
+        if self._requeue_due and not trainer.fit_loop.epoch_loop._should_accumulate():
+            self._requeue_due, self._requeued = False, True
+            trainer._signal_connector._slurm_sigusr_handler_fn(self.cluster_environment.requeue_signal, None)  # type: ignore[attr-defined]
+
+
+class _RequeueAtStepEnd(Callback):
+    """Runs the strategy's `SchedulerSignals.requeue_if_due` where `ModelCheckpoint` saves."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(trainer.strategy, SchedulerSignals):
+            trainer.strategy.requeue_if_due(trainer)
 
 
 def _swap(signum: int, theirs: Any, ours: Any) -> bool:
