@@ -188,6 +188,7 @@ class TTSLightningCLI(LightningCLI):
         the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
+        self._resolved(newest)
         if newest is None:
             return  # Lightning starts from step 0, with its warning that there is no last checkpoint
         check_checkpoint(newest, self._speakers())
@@ -196,6 +197,12 @@ class TTSLightningCLI(LightningCLI):
                 f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
             )
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)
+
+    def _resolved(self, newest: Path | None) -> None:
+        """Tell the strategy whether this rank found a checkpoint on its own storage: every rank must
+        agree (`AtomicCheckpoints._check_every_rank_resumes`)."""
+        if hasattr(self.trainer.strategy, "resolved_resume"):
+            self.trainer.strategy.resolved_resume = newest is not None
 
     def _resolve_requeued(self, asked: bool) -> None:
         """A SLURM job without ``--ckpt_path`` whose folder has auto-requeue checkpoints (a requeued
@@ -206,12 +213,14 @@ class TTSLightningCLI(LightningCLI):
         from lightning.fabric.plugins.environments import SLURMEnvironment
 
         root = Path(self.trainer.default_root_dir)
-        if not asked:
-            requeued = root.is_dir() and any(REQUEUE_PREFIX in p.name for p in root.iterdir())
-            if not requeued or not SLURMEnvironment.detect():
-                return
+        if not asked and not SLURMEnvironment.detect():
+            return
+        if not asked and not (root.is_dir() and any(REQUEUE_PREFIX in p.name for p in root.iterdir())):
+            self._resolved(None)  # not a requeued job, here: every rank of a job says so
+            return
         dirpath = None if asked else getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=root)
+        self._resolved(newest)
         if newest is None:
             if not asked:  # half-written ones only: Lightning would resume from a missing path
                 remove_half_written(root, REQUEUE_PREFIX)

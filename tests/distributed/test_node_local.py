@@ -124,7 +124,8 @@ def test_node_local_checkpoints_write_prune_and_resume_on_every_node(trained, fo
 
 def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(trained, folders, tiny_dir, zygotes):
     """A full checkpoint (one file rank 0 writes) on node-local storage: refused before training.
-    A checkpoint to resume from that some node lacks: refused at resume, on every rank."""
+    A checkpoint to resume from that some node lacks, named or `last`: refused at resume, on every
+    rank."""
     nodes = [folders["full0"], folders["full1"]]
     refused = _fit(
         zygotes, folders, nodes, tiny_dir, "--trainer.strategy.init_args.state_dict_type", "full", check=False
@@ -136,3 +137,10 @@ def test_what_node_local_storage_cannot_resume_from_is_refused_at_start(trained,
     refused = _fit(zygotes, folders, nodes, tiny_dir, "--ckpt_path", folders["mount"] / "resume.ckpt", check=False)
     assert refused.returncode != 0
     assert "cannot resume: checkpoint" in refused.stderr and "is missing here (node 1)" in refused.stderr
+
+    # `--ckpt_path last` where only node 0 has the run's checkpoints (a job requeued onto other
+    # machines): node 1's ranks would start from step 0 while node 0's resume (a hang).
+    shutil.copytree(trained[0] / "run" / "checkpoints", nodes[0] / "run" / "checkpoints", dirs_exist_ok=True)
+    refused = _fit(zygotes, folders, nodes, tiny_dir, "--ckpt_path", "last", check=False)
+    assert refused.returncode != 0
+    assert "others do not (node 1 finds none; node-local storage" in refused.stderr, refused.stderr[-3000:]

@@ -39,6 +39,9 @@ class AtomicCheckpoints(ParallelStrategy):
 
     _sharded_state_key = "model"
     _node_of_rank: list[int] | None = None
+    # Whether this rank found a checkpoint to resume from where `tts_lightning.cli` resolved one on
+    # its own storage (`--ckpt_path last`, a requeued SLURM job); None where nothing was resolved.
+    resolved_resume: bool | None = None
     num_nodes: int  # set by the Trainer on Lightning's parallel strategies
 
     def _writes_sharded(self) -> bool:
@@ -136,9 +139,27 @@ class AtomicCheckpoints(ParallelStrategy):
         from tts_lightning.distributed.rank_local_state import prepare_full_saves
 
         self._check_full_checkpoint_storage(trainer)
+        self._check_every_rank_resumes()
         self._remove_cut_short_saves(trainer)
         super().setup(trainer)
         prepare_full_saves(self)  # after the optimizers exist
+
+    def _check_every_rank_resumes(self) -> None:
+        """``--ckpt_path last`` (or a requeued SLURM job) is resolved by every rank on its own storage
+        (`tts_lightning.cli`, which says here whether it found one: `resolved_resume`): on node-local
+        disks a node without the run's checkpoints (a job requeued onto other machines) started from
+        step 0 while the others resumed, and the resume's first collective hung. Refused on every
+        rank at once instead."""
+        if self.world_size <= 1 or self.resolved_resume is None:
+            return
+        if self.reduce_boolean_decision(self.resolved_resume, all=False) and not self.reduce_boolean_decision(
+            self.resolved_resume, all=True
+        ):
+            finds = "finds one" if self.resolved_resume else "finds none"
+            raise ConfigError(
+                f"cannot resume: some nodes find a checkpoint of this run to resume from and others do not "
+                f"(node {self.node_rank} {finds}; node-local storage without the run's checkpoints?). {_RESUME_HINT}"
+            )
 
     def _remove_cut_short_saves(self, trainer) -> None:
         """Half-written checkpoints a killed save left (``.<name>.partial``, never resumed from) go
