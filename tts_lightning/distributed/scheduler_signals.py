@@ -18,11 +18,11 @@ all-reduce of the batch before (the first batch waits for its own): on SIGTERM a
 Lightning stops: its `SIGTERMException`); on the requeue signal every rank runs Lightning's requeue
 handler at the end of that batch or, accumulating gradients, of the first later one that steps the
 optimizer: where `ModelCheckpoint` saves, so the checkpoint holds one step on every rank and
-resumes as its checkpoints do. The result is copied to the host without
-waiting and read one batch later, when the GPU is long past it: no step waits for the GPU's queue
-to drain (Lightning's own per-step broadcast and read of its SIGTERM flag, which can no longer be
-set once its notifier is gone, is switched off: an open Lightning PR, #21640, makes it optional).
-The checkpoints already written stay; `tts-lightning` then exits with status 143 and one line
+resumes as its checkpoints do. The all-reduce's result is copied to the host without waiting and
+read one batch later, when the GPU is long past it: no step waits for the GPU's queue to drain
+(Lightning's own per-step broadcast and read of its SIGTERM flag, which can no longer be set once
+its notifier is gone, is switched off: an open Lightning PR, #21640, makes it optional). After a
+SIGTERM the checkpoints already written stay; `tts-lightning` exits with status 143 and one line
 (`tts_lightning.__main__`).
 """
 
@@ -48,7 +48,7 @@ class SchedulerSignals:
     _signals_pending: _Agreement | None = None
 
     def setup(self, trainer: Any) -> None:
-        self._sigterm_noted = self._requeue_noted = self._requeued = False
+        self._sigterm_noted = self._requeue_noted = self._requeued = self._requeue_due = False
         self._signals_pending = None
         super().setup(trainer)  # type: ignore[misc]
         if not any(isinstance(c, _RequeueAtStepEnd) for c in trainer.callbacks):
