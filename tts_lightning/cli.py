@@ -18,8 +18,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
+from tts_lightning.distributed.atomic import remove_half_written
 from tts_lightning.model.module import Qwen3TTSModule
-from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, check_checkpoint, newest_checkpoint, remove_half_written
+from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, check_checkpoint, newest_checkpoint
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
@@ -188,21 +189,22 @@ class TTSLightningCLI(LightningCLI):
         the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
-        self._resolved(newest)
-        if newest is None:
-            return  # Lightning starts from step 0, with its warning that there is no last checkpoint
-        check_checkpoint(newest, self._speakers())
-        if newest.name != LAST and self.trainer.is_global_zero:
-            print(
-                f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
-            )
-        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
+        # None: Lightning starts from step 0, with its warning that there is no last checkpoint.
+        said = f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
+        self._resume_from(newest, said if newest is not None and newest.name != LAST else None)
 
-    def _resolved(self, newest: Path | None) -> None:
-        """Tell the strategy whether this rank found a checkpoint on its own storage: every rank must
-        agree (`AtomicCheckpoints._check_every_rank_resumes`)."""
+    def _resume_from(self, newest: Path | None, said: str | None) -> None:
+        """The checkpoint a rank resolved on its own storage, checked and given to the fit (said by
+        rank 0). The strategy learns whether this rank found one: every rank must agree
+        (`AtomicCheckpoints._check_every_rank_resumes`)."""
         if hasattr(self.trainer.strategy, "resolved_resume"):
             self.trainer.strategy.resolved_resume = newest is not None
+        if newest is None:
+            return
+        check_checkpoint(newest, self._speakers())
+        if said and self.trainer.is_global_zero:
+            print(said)
+        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
 
     def _resolve_requeued(self, asked: bool) -> None:
         """A SLURM job without ``--ckpt_path`` whose folder has auto-requeue checkpoints (a requeued
@@ -216,21 +218,16 @@ class TTSLightningCLI(LightningCLI):
         if not asked and not SLURMEnvironment.detect():
             return
         if not asked and not (root.is_dir() and any(REQUEUE_PREFIX in p.name for p in root.iterdir())):
-            self._resolved(None)  # not a requeued job, here: every rank of a job says so
+            self._resume_from(None, None)  # not a requeued job, here: every rank of a job says so
             return
         dirpath = None if asked else getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=root)
-        self._resolved(newest)
-        if newest is None:
-            if not asked:  # half-written ones only: Lightning would resume from a missing path
-                remove_half_written(root, REQUEUE_PREFIX)
-                if self.trainer.is_global_zero:
-                    print(f"no complete checkpoint in {root} to resume this SLURM job from: starting at step 0")
-            return  # `hpc` asked for: Lightning says it found none
-        check_checkpoint(newest, self._speakers())
-        if self.trainer.is_global_zero:
-            print(f"resuming this SLURM job from {newest}, the run's newest complete checkpoint")
-        self.config_init[self.subcommand]["ckpt_path"] = str(newest)
+        self._resume_from(newest, f"resuming this SLURM job from {newest}, the run's newest complete checkpoint")
+        if newest is None and not asked:  # half-written ones only: Lightning would resume from a missing path
+            remove_half_written(root, REQUEUE_PREFIX)
+            if self.trainer.is_global_zero:
+                print(f"no complete checkpoint in {root} to resume this SLURM job from: starting at step 0")
+        # `hpc` asked for and none found: Lightning says so.
 
     def before_fit(self) -> None:
         self._check_ckpt_path()

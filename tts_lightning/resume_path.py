@@ -58,19 +58,6 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
     return max(written, key=lambda p: (written[p], p.name == LAST))
 
 
-def remove_half_written(folder: str | Path, prefix: str = "") -> None:
-    """Remove the half-written checkpoints (``.<name>.partial``) a killed save left in ``folder``,
-    of names starting with ``prefix``: never resumed from, and a later save has another name."""
-    import shutil
-
-    folder = Path(folder)
-    for leftover in folder.glob(f".{prefix}*.ckpt.partial") if folder.is_dir() else ():
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover, ignore_errors=True)  # another rank may remove it too (shared storage)
-        else:
-            leftover.unlink(missing_ok=True)
-
-
 def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> dict[str, Any]:
     """The hyper-parameters of the checkpoint ``--ckpt_path`` names. A path that does not exist or
     is not a checkpoint, or one trained on other speakers than ``speakers`` (the run's: its speaker

@@ -168,8 +168,6 @@ class AtomicCheckpoints(ParallelStrategy):
         rank 0, on its own storage; not in `validate`, which may run beside a fit that is saving."""
         if self.local_rank != 0 or trainer.state.fn != "fit":
             return
-        from tts_lightning.resume_path import remove_half_written
-
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
         for folder in {Path(trainer.default_root_dir), *([Path(dirpath)] if dirpath else [])}:
             remove_half_written(folder)
@@ -256,6 +254,15 @@ def _saved_step(folder: Path) -> str:
         return f"step {int(meta['global_step'])}"
     except Exception as exc:  # truncated, corrupt, not Lightning's
         return f"unreadable meta.pt ({type(exc).__name__})"
+
+
+def remove_half_written(folder: str | os.PathLike, prefix: str = "") -> None:
+    """Remove the half-written checkpoints (``.<name>.partial``, `AtomicCheckpoints.save_checkpoint`)
+    a killed save left in ``folder``, of names starting with ``prefix``: never resumed from, and a
+    later save has another name."""
+    folder = Path(folder)
+    for leftover in folder.glob(f".{prefix}*.ckpt.partial") if folder.is_dir() else ():
+        _remove(leftover)
 
 
 def _existing_parent(path: Path) -> Path:
