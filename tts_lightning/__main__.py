@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                 # they are meant for calls from Python).
                 cli_main(None if from_command_line else argv)
             except SIGTERMException:  # a SystemExit without a status: it would exit 0
-                print(
-                    f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; the checkpoints written "
-                    "so far are kept: resume with --ckpt_path last",
-                    file=sys.stderr,
-                )
+                kept = "the checkpoints written so far are kept: resume with --ckpt_path last"
+                if argv[0] == "predict":
+                    kept = "the files written so far are kept"
+                elif argv[0] != "fit":
+                    kept = "no results were written"
+                print(f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; {kept}", file=sys.stderr)
                 return STOPPED_BY_SIGTERM
             return 0
 

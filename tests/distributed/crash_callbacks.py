@@ -45,3 +45,24 @@ class SignalAt(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         rank, step, name = trainer.global_rank, trainer.global_step, type(exception).__name__
         print(f"[SignalAt] rank {rank} stops after global_step {step}: {name}", flush=True)
+
+
+class SigtermInValidation(Callback):
+    """Rank 1 gets SIGTERM right after its validation batch ``batch`` of `validate` (while rank 0 may
+    already be in the next batch's FSDP collectives, where Lightning's notifier broadcast from inside
+    the handler); every rank must stop at the start of the same later batch."""
+
+    def __init__(self, batch: int = 0) -> None:
+        self.batch, self.started = batch, -1
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self.started = batch_idx
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if batch_idx == self.batch and trainer.global_rank == 1:
+            print(f"[SigtermInValidation] SIGTERM to rank 1 after validation batch {batch_idx}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        rank, name = trainer.global_rank, type(exception).__name__
+        print(f"[SigtermInValidation] rank {rank} stops at validation batch {self.started}: {name}", flush=True)

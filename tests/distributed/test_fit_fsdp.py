@@ -246,8 +246,9 @@ def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(w
     )
     assert "[SignalAt] SIGUSR1 to rank 1 at global_step 3" in signalled.stdout
     hpc = run / "hpc_ckpt_1.ckpt"
-    # In step 4's backward; agreed at step 6's start (the all-reduce queued at step 5's); saved at its end.
-    assert load_training_checkpoint(hpc).global_step == 6
+    # In step 4's backward; agreed at step 5's start (the all-reduce queued at the start of the
+    # validation batch after step 4); saved at its end.
+    assert load_training_checkpoint(hpc).global_step == 5
     assert sorted(p.name for p in hpc.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     assert sorted(p.name for p in run.glob("*hpc_ckpt_*")) == ["hpc_ckpt_1.ckpt"]
     assert calls.read_text() == "rank 0: requeue 4242\n"
@@ -326,6 +327,36 @@ def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
     rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
     reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
     assert abs(reported - logged) < 1e-4, (reported, logged)
+
+
+def test_a_sigterm_in_validate_stops_every_rank_at_the_same_batch(fitted, workdir, tiny_dir, cli):
+    """`validate` on 2 ranks, a SIGTERM to rank 1 alone after its first batch: Lightning's notifier
+    broadcast from inside the handler while rank 0 was in the next batch's FSDP collectives, and its
+    loop stopped rank 1 alone; now both stop at the start of the third batch (the all-reduce queued at
+    the second's), exit 143 and say so. A larger validation share (its own cache) and small batches
+    give each rank more than three batches."""
+    sigterm = '{"class_path": "crash_callbacks.SigtermInValidation"}'
+    args = [*data_args(workdir, tiny_dir, cache=workdir / "cache-val-share"), "--data.val_fraction", "0.4"]
+    args[args.index("--data.max_frames_per_batch") + 1] = 60
+    stopped = cli(
+        "validate",
+        "--config",
+        TINY_CPU,
+        *args,
+        "--trainer.logger",
+        "false",
+        f"--trainer.callbacks+={sigterm}",
+        "--ckpt_path",
+        newest_last(fitted[0]),
+        cwd=workdir,
+        check=False,
+        timeout=300,
+    )
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "tts-lightning validate: stopped by SIGTERM before the end; no results were written" in stopped.stderr
+    assert "[SigtermInValidation] SIGTERM to rank 1 after validation batch 0" in stopped.stdout
+    for rank in (0, 1):
+        assert f"[SigtermInValidation] rank {rank} stops at validation batch 2: SIGTERMException" in stopped.stdout
 
 
 def launch_trapped_main(monkeypatch, workdir):

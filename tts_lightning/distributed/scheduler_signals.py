@@ -12,10 +12,12 @@ batch in which that rank saw SIGTERM, a different batch where ranks see it at di
 
 `SchedulerSignals` (a mixin of the FSDP strategies) keeps Lightning's handlers but swaps those two
 for ones that only note the signal (the SIGTERM one, like Lightning's, passes it on to the
-processes Lightning started), from the sanity check on (Lightning registers its handlers just
-before it). At the start of each training batch the ranks all-reduce their notes, and act on the
-all-reduce of the batch before (the first batch waits for its own): on SIGTERM all stop there (as
-Lightning stops: its `SIGTERMException`); on the requeue signal every rank runs Lightning's requeue
+processes Lightning started), from the first batch of a fit's sanity check, of `validate`, `test`
+or `predict` on (Lightning registers its handlers just before). At the start of each batch,
+training or not, the ranks all-reduce their notes, and act on the all-reduce of the batch before
+(the first batch waits for its own): on SIGTERM all stop there (as Lightning stops: its
+`SIGTERMException`); on the requeue signal (a fit's only: `validate`, `test` and `predict` keep
+Lightning's handler, which has nothing to resume there) every rank runs Lightning's requeue
 handler at the end of that batch or, accumulating gradients, of the first later one that steps the
 optimizer: where `ModelCheckpoint` saves, so the checkpoint holds one step on every rank and
 resumes as its checkpoints do. The all-reduce's result is copied to the host without waiting and
@@ -51,13 +53,22 @@ class SchedulerSignals:
         self._sigterm_noted = self._requeue_noted = self._requeued = self._requeue_due = False
         self._signals_pending = None
         super().setup(trainer)  # type: ignore[misc]
-        if not any(isinstance(c, _RequeueAtStepEnd) for c in trainer.callbacks):
-            trainer.callbacks.append(_RequeueAtStepEnd())  # stateless: nothing in the checkpoints
+        if not any(isinstance(c, _SignalsAtBatches) for c in trainer.callbacks):
+            trainer.callbacks.append(_SignalsAtBatches())  # stateless: nothing in the checkpoints
 
+    # Lightning has registered its handlers by the time each of these runs (the first: a fit's
+    # sanity check); taking over again is a no-op.
     def on_validation_start(self) -> None:
         super().on_validation_start()  # type: ignore[misc]
-        if self.lightning_module.trainer.state.fn == "fit":  # type: ignore[attr-defined]
-            self._take_over_signals()  # the sanity check: Lightning has registered its handlers by now
+        self._take_over_signals()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()  # type: ignore[misc]
+        self._take_over_signals()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        self._take_over_signals()
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
@@ -65,6 +76,7 @@ class SchedulerSignals:
 
     def _take_over_signals(self) -> None:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        fitting = trainer.state.fn == "fit"
         connector = trainer._signal_connector
         self._sigterm_noted |= connector.received_sigterm  # Lightning's notifier had it first
         # Lightning registers no handlers outside the main thread, nor SIGTERM's on Windows: its
@@ -76,7 +88,7 @@ class SchedulerSignals:
             # batch's start (a wait for the GPU's queue to drain, each step): without it, 0 every time.
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
         requeue_signal = getattr(self.cluster_environment, "requeue_signal", None)  # type: ignore[attr-defined]
-        if main and requeue_signal is not None:  # SLURM, where Lightning registers its handler with auto-requeue
+        if main and fitting and requeue_signal is not None:  # SLURM: Lightning's handler with auto-requeue
             _swap(requeue_signal, connector._slurm_sigusr_handler_fn, self._note_requeue)
 
     def _note_sigterm(self, signum: int, frame: Any) -> None:
@@ -90,6 +102,11 @@ class SchedulerSignals:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self.act_on_signals()
+
+    def act_on_signals(self) -> None:
+        """At a batch's start (a training batch: `on_train_batch_start`; another: `_SignalsAtBatches`),
+        on every rank: agree on the signals noted and act on those agreed a batch ago."""
         sigterm, requeue = self._sigterm_noted, self._requeue_noted
         if self.world_size > 1:  # type: ignore[attr-defined]
             previous = self._signals_pending  # the previous batch's all-reduce: long done
@@ -104,7 +121,7 @@ class SchedulerSignals:
             raise SIGTERMException()
 
     def requeue_if_due(self, trainer: Any) -> None:
-        """At the end of a training batch that stepped the optimizer (`_RequeueAtStepEnd`), after the
+        """At the end of a training batch that stepped the optimizer (`_SignalsAtBatches`), after the
         requeue signal was agreed on: Lightning's handler, once, on every rank (loggers finalized,
         `hpc_ckpt_<n>.ckpt` in the run's folder, which the requeued job resumes from, and SLURM's
         requeue from global rank 0)."""
@@ -113,12 +130,27 @@ class SchedulerSignals:
             trainer._signal_connector._slurm_sigusr_handler_fn(self.cluster_environment.requeue_signal, None)  # type: ignore[attr-defined]
 
 
-class _RequeueAtStepEnd(Callback):
-    """Runs the strategy's `SchedulerSignals.requeue_if_due` where `ModelCheckpoint` saves."""
+class _SignalsAtBatches(Callback):
+    """Runs the strategy's `SchedulerSignals.act_on_signals` at the start of each batch that is not
+    a training batch (the strategy has no hook there), and its `requeue_if_due` at the end of each
+    training batch, where `ModelCheckpoint` saves."""
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if isinstance(trainer.strategy, SchedulerSignals):
             trainer.strategy.requeue_if_due(trainer)
+
+    def _act(self, trainer: Any) -> None:
+        if isinstance(trainer.strategy, SchedulerSignals):
+            trainer.strategy.act_on_signals()
+
+    def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._act(trainer)
+
+    def on_test_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._act(trainer)
+
+    def on_predict_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._act(trainer)
 
 
 def _swap(signum: int, theirs: Any, ours: Any) -> bool:
