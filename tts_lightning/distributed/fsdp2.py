@@ -168,6 +168,12 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
             self._shard(module)
         super().setup(trainer)
         self._report_shards(module)
+        # `validate`, `test` and `predict` under no_grad, as Lightning runs its FSDP1 strategy's (and a
+        # fit's validation): on GPUs Lightning chose inference mode, in which FSDP2's first all-gather
+        # failed at world size 1 ("Inference tensors do not track version counter") and made its
+        # reused buffers inference tensors otherwise. Rehearsed by tests/distributed/test_fsdp2_no_grad.py.
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
 
     def _shard(self, module: nn.Module) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, register_fsdp_forward_method
