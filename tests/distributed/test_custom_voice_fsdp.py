@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_runs import TINY_CPU, fit_args, newest_last
+from tiny_runs import TINY_CPU, data_args, fit_args, newest_last
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
@@ -162,6 +162,36 @@ def test_export_speaks_with_every_speaker_with_and_without_instruct(fitted, work
 
 def _same(a, b):
     return a.shape == b.shape and bool((a == b).all())
+
+
+def test_predict_speaks_every_speaker_on_two_ranks(fitted, cli, workdir, tiny_custom_voice_dir):
+    """`tts-lightning predict` of the 2-rank run on 2 FSDP1 ranks: each speaker's row is read through
+    the codec embedding's own unit (its weight is a rank's flat shard outside that unit's forward:
+    "speaker_embeddings must be (1, D) for 1 texts, got (1,)" before)."""
+    import soundfile as sf
+
+    out = workdir / "predicted"
+    cli(
+        "predict",
+        "--config",
+        TINY_CPU,
+        *data_args(workdir, tiny_custom_voice_dir),
+        "--ckpt_path",
+        newest_last(workdir / "straight"),
+        "--trainer.logger",
+        "false",
+        "--data.predict_texts",
+        "[Hello there.]",
+        "--trainer.callbacks+=tts_lightning.data.predict.PredictionWriter",
+        "--trainer.callbacks.output_dir",
+        out,
+        cwd=workdir,
+    )
+    written = sorted(p.name for p in out.glob("*.wav"))
+    assert written == sorted(f"0000_{s}.wav" for s in fitted.hyper_parameters["speakers"])
+    for name in written:
+        wav, sr = sf.read(out / name)
+        assert sr == 24_000 and len(wav) >= 1920 and len(wav) % 1920 == 0
 
 
 def test_streaming_run_samples_exports_and_speaks_streaming(streamed, workdir):

@@ -466,8 +466,12 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         embeddings = table[index].float()
         languages = batch.languages
         if self.speaker_codec_ids is not None:  # the rows themselves: what spk_id selects after export
-            weight = cast(nn.Embedding, cast(Any, self.talker).get_input_embeddings()).weight
-            embeddings = weight[[self.speaker_codec_ids[rows[s]] for s in batch.speakers]].detach().float()
+            # Looked up through the embedding's forward, not its weight: under FSDP1 with several
+            # ranks it is a unit of its own whose weight is this rank's flat shard outside that forward
+            # (a collective: every rank predicts the same number of batches).
+            codec_embedding = cast(nn.Module, cast(Any, self.talker).get_input_embeddings())
+            ids = torch.tensor([self.speaker_codec_ids[rows[s]] for s in batch.speakers], device=self.device)
+            embeddings = codec_embedding(ids).detach().float()
             languages = spoken_languages(cast(Any, self.model).config.talker_config, batch.speakers, languages)
         empty = sorted({s for s, e in zip(batch.speakers, embeddings) if not bool(e.abs().sum() > 0)})
         if empty:
