@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the device image does not install the project: its preflight imports it from here
 OUT = Path(os.environ.get("OUT") or REPO / "runs" / "gpu_check")
 WORK = REPO / "runs" / "gpu_check_work"
 DEADLINE = time.monotonic() + float(os.environ.get("GPU_CHECK_SECONDS", "530"))
@@ -85,11 +86,23 @@ def finish(running: list, limit: float, figures: dict[str, Path] | None = None) 
         step = {"status": status, "seconds": round(time.monotonic() - began, 1), "tail": output[-1500:]}
         path = (figures or {}).get(name)
         if path is not None and path.is_file():
-            step["figures"] = json.loads(path.read_text())
+            try:
+                step["figures"] = json.loads(path.read_text())
+            except ValueError as error:  # cut short while writing
+                step["figures"] = f"unreadable: {error}"
         report["steps"][name] = step
         log.append(f"===== {name}: {status} in {step['seconds']} s\n{output}")
         ok &= status == "ok"
+    save()
     return ok
+
+
+def save() -> None:
+    """The report so far, after every stage: a device call cut short still brings back what ran."""
+    for path, text in ((OUT / "gpu_check.json", json.dumps(report, indent=1)), (OUT / "gpu_check.log", "\n".join(log))):
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(text)
+        partial.replace(path)
 
 
 def fit_config(name: str, config: str, *extra: str) -> list[str]:
@@ -155,6 +168,7 @@ def main() -> int:
     report["torch"] = torch.__version__
     missing = preflight()
     report["preflight_missing"] = missing
+    save()
     ok = not missing and torch.cuda.is_available()
     if ok:
         one_gpu = "configs/qwen3-tts-0.6b-1gpu.yaml"
@@ -194,17 +208,19 @@ def main() -> int:
         name = "real_1.7b_16gb"
         timed = start(name, real_size(name, "--gpu-memory", "16", "--steps", "4"), threads=8)
         ok &= finish([timed], 150, {name: WORK / f"{name}.json"})
+        # Side by side, each process would count the others' memory as its CUDA context: the lone run's.
+        alone = report["steps"][name].get("figures")
+        context = ["--cuda-context", str(alone["cuda_context"])] if isinstance(alone, dict) else []
         side = {
             "real_1.7b_16gb_samples": ("--gpu-memory", "16", "--steps", "2", "--samples"),
             "real_1.7b_16gb_offload": ("--gpu-memory", "16", "--steps", "2", "--cpu-offload"),
             "real_1.7b_16gb_fsdp2": ("--gpu-memory", "16", "--steps", "2", "--strategy", "fsdp2"),
             "real_0.6b_24gb": ("--size", "0.6b", "--world", "1", "--gpu-memory", "24", "--steps", "3"),
         }
-        running = [start(n, real_size(n, *args), threads=3) for n, args in side.items()]
+        running = [start(n, real_size(n, *args, *context), threads=3) for n, args in side.items()]
         ok &= finish(running, 200, {n: WORK / f"{n}.json" for n in side})
     report["ok"] = bool(ok)
-    (OUT / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (OUT / "gpu_check.log").write_text("\n".join(log))
+    save()
     print(json.dumps({n: s["status"] for n, s in report["steps"].items()}, indent=1))
     print("missing:", missing or "nothing")
     return 0 if ok else 1

@@ -60,6 +60,13 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--gpu-memory", type=float, default=None, help="a card sold as this many GB: what it leaves after the context"
     )
+    p.add_argument(
+        "--cuda-context",
+        type=int,
+        default=None,
+        help="bytes of the CUDA context, measured by a run alone on the GPU (default: measured here, which "
+        "counts what other processes on the GPU hold too)",
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--strategy", default="fsdp1", choices=("fsdp1", "fsdp2"), help="FSDP1 or FSDP2 (fully_shard)")
     p.add_argument("--samples", action="store_true", help="run SpeakerSamplesCallback after the steps")
@@ -163,7 +170,9 @@ def main() -> int:
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the CUDA context exists now
         free, total = torch.cuda.mem_get_info()
-        context = total - free  # the context and anything else outside PyTorch's allocator
+        # The context and anything else outside PyTorch's allocator, other processes' included:
+        # runs side by side take the figure of one measured alone (gpu_check.py).
+        context = total - free if args.cuda_context is None else args.cuda_context
         if args.gpu_memory:
             # What a card sold as N GB offers in all (nvidia-smi's total: 16376 MiB for a 16 GB
             # card), of which the CUDA context takes its share first: the allocator gets the rest.
@@ -345,7 +354,9 @@ def main() -> int:
             + (f" vs a {args.gpu_memory:g} GB card's {card / GiB:.2f} GiB: fits {figures['fits_card']}" if card else "")
         )
     if args.out:
-        args.out.write_text(json.dumps(figures, indent=2))
+        partial = args.out.with_name(args.out.name + ".partial")  # gpu_check.py may read it while it is cut short
+        partial.write_text(json.dumps(figures, indent=2))
+        partial.replace(args.out)
     return 0
 
 

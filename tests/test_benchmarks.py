@@ -2,6 +2,7 @@
 cannot rot unseen (benchmarks/gpu_check.sh runs them at the released sizes on a GPU)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,27 @@ def test_real_size_emulates_one_rank_of_four(strategy, optimizer, tiny_dir, tmp_
     assert figures["precision"] == ("bf16-mixed" if optimizer.startswith("bf16") else "32-true")
 
 
-def test_the_gpu_check_imports_what_it_names():
-    """benchmarks/gpu_check.py's preflight names every module its steps import: all of them import
-    here (a misspelt name would make the GPU run stop at its first minute)."""
+def test_the_gpu_check_imports_what_it_names_where_the_project_is_not_installed(tmp_path):
+    """benchmarks/gpu_check.py run as on the device (`python3 benchmarks/gpu_check.py`, the project
+    not installed there, the wheels it lacks on PYTHONPATH): its preflight imports every module its
+    steps need, this project's included (it named all five tts_lightning modules missing there, and
+    the GPU run would have done nothing), and writes its report; without CUDA it stops there.
+    ``-S``: no site-packages processing, so the editable install's finder is absent; the
+    environment's packages come through PYTHONPATH, after the standard library."""
+    import subprocess
     import sys
+    import sysconfig
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_check
-
-    assert gpu_check.preflight() == []
+    paths = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OUT": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-S", str(REPO / "benchmarks" / "gpu_check.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["preflight_missing"] == [], done.stdout[-3000:]
+    assert report["device"] == "no CUDA device" and report["ok"] is False and done.returncode == 1
