@@ -56,3 +56,14 @@ def test_gpu_encoding_actors_ask_ray_for_a_gpu_each():
     assert actor_device("cpu") == (0.0, "cpu")
     assert actor_device(None, cuda_available=True) == (1.0, "cuda")
     assert actor_device(None, cuda_available=False) == (0.0, "cpu")
+
+
+def test_workers_load_the_drivers_model_folder_where_their_node_has_it(tmp_path):
+    """On several nodes the driver's resolved folder (its Hugging Face cache, its user cache) is on
+    the driver's disk: a worker whose node lacks it resolves the name the user gave on its own."""
+    from tts_lightning.data.ray_prepare import worker_pretrained
+
+    assert worker_pretrained(str(tmp_path), "Qwen/Qwen3-TTS-12Hz-1.7B-Base") == str(tmp_path)
+    elsewhere = str(tmp_path / "hub" / "snapshots" / "abc")  # not on this node
+    assert worker_pretrained(elsewhere, "Qwen/Qwen3-TTS-12Hz-1.7B-Base") == "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
+    assert worker_pretrained(elsewhere, "tiny") == "tiny"

@@ -428,6 +428,7 @@ class DataPreparer:
             batch_size=self.settings.encode_batch_size,
             max_seconds=self.settings.encode_batch_seconds,
             address=address,
+            pretrained=str(self.settings.pretrained),
         )
         rank_zero_info(
             f"codec cache: {encoded} clip(s) encoded on {workers} Ray worker(s), "

@@ -4,7 +4,9 @@ The clips whose codes are not cached yet become a Ray dataset (path, content has
 small rows, the audio is read where it is encoded); ``map_batches`` runs them through `_Encoder`,
 an actor per worker that loads the speech tokenizer once and writes each clip's codes into the
 cache with `CodecCache.encode_missing`, exactly as a single process does, so the bytes are the
-same. ``data.cache_dir`` must be storage every worker sees (any path on one machine).
+same. ``data.cache_dir`` must be storage every worker sees (any path on one machine); the pretrained
+model is the driver's folder where a worker's node has it, else the ``data.pretrained`` the user
+named, resolved on that node (a hub id downloads into the node's own Hugging Face cache).
 Needs the ``ray`` extra (``pip install 'tts-lightning[ray]'``).
 """
 
@@ -30,6 +32,7 @@ class _Encoder:
         self,
         cache_dir: str,
         pretrained: str,
+        named: str,
         normalize: str | None,
         trim_silence: bool,
         device: str | None,
@@ -38,9 +41,8 @@ class _Encoder:
     ) -> None:
         from tts_lightning.model.pretrained import check_pretrained
 
-        self.cache = CodecCache(
-            cache_dir, check_pretrained(pretrained), normalize=normalize, trim_silence=trim_silence, device=device
-        )
+        info = check_pretrained(worker_pretrained(pretrained, named))
+        self.cache = CodecCache(cache_dir, info, normalize=normalize, trim_silence=trim_silence, device=device)
         self.batch_size = batch_size
         self.max_seconds = max_seconds
 
@@ -54,6 +56,13 @@ class _Encoder:
                 [self.cache.encode_missing(clips, batch_size=self.batch_size, max_seconds=self.max_seconds)]
             )
         }
+
+
+def worker_pretrained(resolved: str, named: str) -> str:
+    """What a worker loads: the driver's resolved folder (a Hugging Face snapshot, the tiny model in
+    the user cache) where the worker's node has it, else the name the user gave, for that node to
+    resolve (the driver's cache folders are on its own disk)."""
+    return resolved if Path(resolved).is_dir() else named
 
 
 def _package_root() -> str:
@@ -89,10 +98,12 @@ def encode_with_ray(
     batch_size: int = 8,
     max_seconds: float | None = None,
     address: str = "local",
+    pretrained: str | None = None,
 ) -> int:
     """Encode the codes of ``clips`` not cached yet on ``num_workers`` Ray actors; return how many
     were encoded. Starts a local Ray instance (``address="local"``) or joins ``address``, and shuts
-    down only what it started. Codes a manifest carries are stored here, without Ray."""
+    down only what it started. Codes a manifest carries are stored here, without Ray. ``pretrained``:
+    the model as the user named it (default: the cache's resolved folder)."""
     try:
         import ray
     except ImportError as exc:
@@ -145,6 +156,7 @@ def encode_with_ray(
             fn_constructor_kwargs={
                 "cache_dir": str(cache.cache_dir),
                 "pretrained": str(cache.info.path),
+                "named": str(pretrained or cache.info.path),
                 "normalize": cache.normalize,
                 "trim_silence": cache.trim_silence,
                 "device": device,
