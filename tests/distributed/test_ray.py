@@ -313,3 +313,25 @@ def test_gpu_resources_other_than_one_per_gpu_worker_are_refused_before_anything
     with pytest.raises(SystemExit) as exit_:
         ray_cli.ray_fit_command(["--config", "no-such.yaml", "--ray.resources_per_worker", *options])
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_driver_finds_the_folders_a_node_lacks(tmp_path):
+    """Before training, a task on every alive node checks the folders the workers need (the working
+    directory, data.cache_dir, a local --ray.storage_path); on this one-node cluster the one that is
+    not there is named, and the node's address with it."""
+    import signal
+
+    import ray
+
+    from tts_lightning.distributed.ray import folders_missing_on_nodes
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        lacking = folders_missing_on_nodes({"here": str(tmp_path), "gone": str(tmp_path / "gone")})
+        (address,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+    finally:
+        ray.shutdown()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)  # Ray's own would stay in this test worker
+    assert lacking == {address: ["gone"]}

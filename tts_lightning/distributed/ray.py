@@ -289,6 +289,12 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
         if env_vars:
             init["runtime_env"] = {"env_vars": env_vars}
         ray.init(**init)
+    try:
+        _check_every_node_sees(cli, storage_path)
+    except BaseException:
+        if started:
+            ray.shutdown()
+        raise
     if "CPU" not in (options.resources_per_worker or {}):
         resources["CPU"] = worker_cpus(ray.cluster_resources(), options.use_gpu, offload)
 
@@ -325,6 +331,46 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
     finally:
         if started:
             ray.shutdown()
+
+
+def _check_every_node_sees(cli: TTSLightningCLI, storage_path: str) -> None:
+    """Refuse, in one line, folders that a node of the cluster does not see: the workers start in
+    the driver's working directory (the config's relative paths), read the codes the driver prepared
+    in ``data.cache_dir`` and hand their checkpoints to a local ``--ray.storage_path``. Ray checks
+    its storage only when the first checkpoint is reported (after ``checkpoint_every_n_steps`` of
+    training, on every retry); the others failed on every worker, or ran elsewhere."""
+    folders = {"the working directory": os.getcwd(), "data.cache_dir": str(cli.datamodule.cache_dir)}
+    if "://" not in storage_path:
+        Path(storage_path).mkdir(parents=True, exist_ok=True)
+        folders["--ray.storage_path"] = storage_path
+    lacking = folders_missing_on_nodes(folders)
+    if lacking:
+        from tts_lightning.errors import ConfigError
+
+        node, missing = next(iter(lacking.items()))
+        named = ", ".join(f"{what} ({folders[what]})" for what in missing)
+        raise ConfigError(
+            f"node {node} of the Ray cluster does not see {named}: on several machines they must be on storage "
+            "every node mounts at the same path (NFS; --ray.storage_path also takes s3://, gs://)"
+        )
+
+
+def folders_missing_on_nodes(folders: dict[str, str]) -> dict[str, list[str]]:
+    """{node address: the names in ``folders`` (name: path) whose folder it lacks}, for every alive
+    node of the Ray cluster this process is connected to, each checked by a task pinned there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def missing(paths: dict[str, str]) -> list[str]:
+        return [name for name, path in paths.items() if not os.path.isdir(path)]
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    pending = [
+        missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(folders)
+        for n in nodes
+    ]
+    found = ray.get(pending)
+    return {n["NodeManagerAddress"]: lacking for n, lacking in zip(nodes, found) if lacking}
 
 
 def describe_result(result) -> str:
