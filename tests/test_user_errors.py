@@ -97,6 +97,9 @@ CASES = [
     # tiny-model, export, plan, ray-fit
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
+    ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes"], "{work}/notes already exists; choose a new folder, or replace that export with --overwrite"),
+    ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes", "--overwrite"], "{work}/notes is not a model folder (it holds keep.txt): --overwrite replaces only an earlier export; choose a new folder for --out"),
+    ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/text.ckpt/voice"], "{work}/text.ckpt/voice: {work}/text.ckpt is a file, not a folder; choose another --out"),
     ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
@@ -126,6 +129,8 @@ def work(tmp_path_factory, tiny_dir) -> Path:
         "hyper_parameters": {"speakers": ["alice"]},
     }
     torch.save(state, root / "alice.ckpt")
+    (root / "notes").mkdir()  # a folder of the user's: no export may replace it
+    (root / "notes" / "keep.txt").write_text("keep\n")
     (root / "badjson").mkdir()
     (root / "badjson" / "config.json").write_text("{nope\n")
     return root
@@ -286,3 +291,29 @@ def test_what_counts_as_a_user_error():
             return {}["bug"]
 
     assert explain(raised(while_handling)) is None
+
+
+def test_export_writes_into_an_empty_folder_and_replaces_only_an_export(tmp_path):
+    """What `export` may write over: nothing, an empty folder, or (with --overwrite) an earlier
+    export; `--out .` in a folder of the user's, or a run's folder, was deleted whole."""
+    import json
+
+    from tts_lightning.model.export import ExportError, check_replaceable
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_replaceable(empty, overwrite=False)
+    check_replaceable(tmp_path / "new", overwrite=False)
+    voice = tmp_path / "voice"
+    voice.mkdir()
+    (voice / "config.json").write_text(json.dumps({"model_type": "qwen3_tts"}))
+    check_replaceable(voice, overwrite=True)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    check_replaceable(adapter, overwrite=True)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model_type": "other"}))
+    with pytest.raises(ExportError, match="is not a model folder"):
+        check_replaceable(run, overwrite=True)

@@ -137,6 +137,38 @@ def _shards(reader, keys: list[str], itemsize: int, max_bytes: int) -> list[list
     return groups
 
 
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse to write ``out`` where that would lose something: an existing folder is replaced only
+    with ``overwrite`` and only if it is a model folder (a Qwen3-TTS ``config.json``, or a LoRA
+    adapter's ``adapter_config.json``: what an export writes); an empty folder is written into."""
+    if not out.exists():
+        if out.parent.exists() and not out.parent.is_dir():
+            raise ExportError(f"{out}: {out.parent} is a file, not a folder; choose another --out")
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} is a file; choose a folder for --out")
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(f"{out} already exists; choose a new folder, or replace that export with --overwrite")
+    if not _is_model_folder(out):
+        names = sorted(p.name for p in out.iterdir())
+        held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ExportError(
+            f"{out} is not a model folder (it holds {held}): --overwrite replaces only an earlier export; "
+            "choose a new folder for --out"
+        )
+
+
+def _is_model_folder(folder: Path) -> bool:
+    if (folder / "adapter_config.json").is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "qwen3_tts"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def export_custom_voice(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -156,8 +188,7 @@ def export_custom_voice(
     out = Path(out).expanduser().resolve()
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
     rows = reader.hyper_parameters.get("speaker_codec_ids")
     if rows is None:  # from a Base model: the speakers' x-vectors become new codec rows
@@ -205,8 +236,7 @@ def export_base(
     out = Path(out).expanduser().resolve()
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
     source_dir = pretrained or reader.hyper_parameters.get("pretrained")
     if source_dir is None:
@@ -391,8 +421,7 @@ def export_adapter(
     from tts_lightning.model.lora import checkpoint_key, is_adapter_key, lora_config
 
     out = Path(out).expanduser().resolve()
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
     hp = reader.hyper_parameters
     settings = _adapter_settings(hp)
