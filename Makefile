@@ -32,10 +32,11 @@ $(CHROMIUM):
 # The demo: build the tiny model, fine-tune it on the two demo speakers with FSDP on 2 CPU
 # processes (with samples, spectrograms beside the real clips and the codebook chart in TensorBoard:
 # configs/demo/listen.yaml), export the last checkpoint as a custom_voice model and speak with it.
+# `--ckpt_path last`: a second `make demo` continues the first (an interrupted one resumes).
 demo: install
 	$(CPU_ENV) $(BIN)/tts-lightning tiny-model runs/tiny-model
 	$(CPU_ENV) $(BIN)/tts-lightning fit --config configs/tiny-cpu.yaml --config configs/demo/listen.yaml \
-		--data.pretrained runs/tiny-model
+		--data.pretrained runs/tiny-model --ckpt_path last
 	$(CPU_ENV) $(BIN)/tts-lightning export --overwrite --dtype fp32 \
 		--ckpt runs/tiny-cpu/checkpoints/last.ckpt \
 		--out runs/tiny-cpu/voice

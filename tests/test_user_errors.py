@@ -72,6 +72,7 @@ CASES = [
     ("fit", [*FIT, "--ckpt_path", "{work}/tensors.ckpt"], "ckpt_path: {work}/tensors.ckpt is not a Lightning checkpoint (no state_dict): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--ckpt_path", "{work}/alice.ckpt"], "ckpt_path {work}/alice.ckpt was trained on the speakers [alice], this run has [alice, bob]: resume with its speakers (--data.speakers '[alice]' and its data), or start a new run"),
     ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
+    ("fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"),
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
     ("synthesize", ["--model", "{work}/nope", "--text", "Hi.", "--out", "{work}/x.wav"], NO_PRETRAINED),
@@ -129,6 +130,8 @@ def work(tmp_path_factory, tiny_dir) -> Path:
         "hyper_parameters": {"speakers": ["alice"]},
     }
     torch.save(state, root / "alice.ckpt")
+    (root / "earlier" / "checkpoints").mkdir(parents=True)  # a run's folder: a new fit there is refused
+    shutil.copy(root / "alice.ckpt", root / "earlier" / "checkpoints" / "last.ckpt")
     (root / "notes").mkdir()  # a folder of the user's: no export may replace it
     (root / "notes" / "keep.txt").write_text("keep\n")
     (root / "badjson").mkdir()

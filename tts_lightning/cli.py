@@ -17,8 +17,10 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ri
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from tts_lightning.callbacks.last_step_checkpoint import LastStepCheckpoint
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.distributed.atomic import remove_half_written
+from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
 from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, check_checkpoint, newest_checkpoint
 
@@ -123,7 +125,7 @@ class TTSLightningCLI(LightningCLI):
         parser.link_arguments("data.pretrained", "model.pretrained")
         parser.link_arguments("data", "model.speakers", compute_fn=_speaker_names, apply_on="instantiate")
         # Checkpointing is part of every run and tunable from YAML under `checkpoint:`.
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LastStepCheckpoint, "checkpoint")  # last.ckpt: the last step
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
         parser.set_defaults(
             {
@@ -166,11 +168,12 @@ class TTSLightningCLI(LightningCLI):
             return
         if str(path) == "hpc" or path is None:
             self._resolve_requeued(asked=path is not None)
+            if path is None and self.subcommand == "fit" and self.config_init["fit"].get("ckpt_path") is None:
+                self._refuse_an_earlier_runs_folder()
             return
         if str(path) == "best" or "://" in str(path):
             return
-        environment = getattr(self.trainer.strategy, "cluster_environment", None)
-        if environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1:
+        if self._ranks_read_their_own_storage():
             # Every rank runs this on its own storage: one that stopped here would leave the others
             # waiting for it; the strategies agree on the path across ranks instead
             # (`AtomicCheckpoints.check_on_every_node`).
@@ -178,6 +181,27 @@ class TTSLightningCLI(LightningCLI):
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
         check_checkpoint(path, self._speakers())
+
+    def _refuse_an_earlier_runs_folder(self) -> None:
+        """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
+        checkpoint: refused, or its first save would replace that run's ``last.ckpt`` (a rerun of a
+        stopped fit's command without ``--ckpt_path last`` lost it). Where each rank reads its own
+        storage (several nodes), not checked: a rank that stopped here would leave the others waiting."""
+        if self._ranks_read_their_own_storage():
+            return
+        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        earlier = newest_checkpoint(dirpath) if dirpath else None
+        if earlier is not None:
+            raise ConfigError(
+                f"{dirpath} holds the checkpoints of an earlier run (newest: {earlier.name}): continue it with "
+                "--ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"
+            )
+
+    def _ranks_read_their_own_storage(self) -> bool:
+        environment = getattr(self.trainer.strategy, "cluster_environment", None)
+        return bool(
+            environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1
+        )
 
     def _speakers(self) -> list[str] | None:
         data = getattr(self, "datamodule", None)
@@ -189,9 +213,12 @@ class TTSLightningCLI(LightningCLI):
         the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
-        # None: Lightning starts from step 0, with its warning that there is no last checkpoint.
         said = f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
         self._resume_from(newest, said if newest is not None and newest.name != LAST else None)
+        if newest is None:  # said here: Lightning's warning would suggest save_last, which is on
+            self.config_init[self.subcommand]["ckpt_path"] = None
+            if self.trainer.is_global_zero:
+                print(f"ckpt_path last: no checkpoint in {dirpath} yet: starting at step 0")
 
     def _resume_from(self, newest: Path | None, said: str | None) -> None:
         """The checkpoint a rank resolved on its own storage, checked and given to the fit (said by
