@@ -73,6 +73,9 @@ CASES = [
     ("fit", [*FIT, "--ckpt_path", "{work}/alice.ckpt"], "ckpt_path {work}/alice.ckpt was trained on the speakers [alice], this run has [alice, bob]: resume with its speakers (--data.speakers '[alice]' and its data), or start a new run"),
     ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"),
+    ("fit", [*FIT, "--ckpt_path", "{work}/lora-sharded"], "ckpt_path {work}/lora-sharded was trained with a LoRA adapter (model.adapter), this run is without a LoRA adapter: use the config it was trained with, or start a new run"),
+    ("fit", [*FIT, "--data.cache_dir", "{work}/text.ckpt/cache"], "data.cache_dir {work}/text.ckpt/cache: {work}/text.ckpt is a file; give a folder"),
+    ("validate", [*FIT, "--ckpt_path", "best"], "ckpt_path best: no best checkpoint recorded in {work}/run/checkpoints: give a checkpoint's path"),
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
     ("synthesize", ["--model", "{work}/nope", "--text", "Hi.", "--out", "{work}/x.wav"], NO_PRETRAINED),
@@ -96,6 +99,7 @@ CASES = [
     ("prepare", ["--config", "{work}/broken.yaml"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
     ("prepare", ["--pretrained", "{tiny}", "--train_manifest", "{work}/nope.jsonl", "--cache_dir", "{work}/cache"], "manifest not found: {work}/nope.jsonl"),
     # tiny-model, export, plan, ray-fit
+    ("tiny-model", ["{work}/text.ckpt"], "{work}/text.ckpt is a file; choose a folder path for the tiny model"),
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes"], "{work}/notes already exists; choose a new folder, or replace that export with --overwrite"),
@@ -130,6 +134,17 @@ def work(tmp_path_factory, tiny_dir) -> Path:
         "hyper_parameters": {"speakers": ["alice"]},
     }
     torch.save(state, root / "alice.ckpt")
+    # A sharded checkpoint of a LoRA run (torch.distributed.checkpoint's layout, no process group).
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"model": {"model.talker.codec_head.weight": torch.zeros(2, 2)}},
+        checkpoint_id=root / "lora-sharded",
+        no_dist=True,
+    )
+    torch.save(
+        {"hyper_parameters": {"speakers": ["alice", "bob"], "adapter": {"rank": 16}}}, root / "lora-sharded" / "meta.pt"
+    )
     (root / "earlier" / "checkpoints").mkdir(parents=True)  # a run's folder: a new fit there is refused
     shutil.copy(root / "alice.ckpt", root / "earlier" / "checkpoints" / "last.ckpt")
     (root / "notes").mkdir()  # a folder of the user's: no export may replace it

@@ -117,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                 # they are meant for calls from Python).
                 cli_main(None if from_command_line else argv)
             except SIGTERMException:  # a SystemExit without a status: it would exit 0
+                from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
                 kept = "the checkpoints written so far are kept: resume with --ckpt_path last"
                 if argv[0] == "predict":
                     kept = "the files written so far are kept"
                 elif argv[0] != "fit":
                     kept = "no results were written"
-                print(f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; {kept}", file=sys.stderr)
+                if getattr(rank_zero_only, "rank", 0) == 0:  # said once, not by every process
+                    print(f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; {kept}", file=sys.stderr)
                 return STOPPED_BY_SIGTERM
             return 0
 
@@ -131,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         return report_errors(argv[0], lightning)
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
     print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
-    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[:1] in (["-h"], ["--help"]):
+        return 0
+    if argv:
+        print(f"tts-lightning: error: unknown command {argv[0]!r}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

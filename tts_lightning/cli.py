@@ -22,7 +22,7 @@ from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.distributed.atomic import remove_half_written
 from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
-from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, check_checkpoint, newest_checkpoint
+from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, best_checkpoint, check_checkpoint, newest_checkpoint
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
@@ -171,7 +171,10 @@ class TTSLightningCLI(LightningCLI):
             if path is None and self.subcommand == "fit" and self.config_init["fit"].get("ckpt_path") is None:
                 self._refuse_an_earlier_runs_folder()
             return
-        if str(path) == "best" or "://" in str(path):
+        if str(path) == "best":
+            self._resolve_best()
+            return
+        if "://" in str(path):
             return
         if self._ranks_read_their_own_storage():
             # Every rank runs this on its own storage: one that stopped here would leave the others
@@ -180,7 +183,7 @@ class TTSLightningCLI(LightningCLI):
             return
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
-        check_checkpoint(path, self._speakers())
+        check_checkpoint(path, self._speakers(), self._adapter())
 
     def _refuse_an_earlier_runs_folder(self) -> None:
         """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
@@ -203,6 +206,11 @@ class TTSLightningCLI(LightningCLI):
             environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1
         )
 
+    def _adapter(self) -> bool | None:
+        """Whether the run's model trains a LoRA adapter (None: no model of this project)."""
+        model = getattr(self, "model", None)
+        return model.adapter is not None if isinstance(model, Qwen3TTSModule) else None
+
     def _speakers(self) -> list[str] | None:
         data = getattr(self, "datamodule", None)
         return list(data.speaker_names) if data is not None else None
@@ -220,6 +228,22 @@ class TTSLightningCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(f"ckpt_path last: no checkpoint in {dirpath} yet: starting at step 0")
 
+    def _resolve_best(self) -> None:
+        """``--ckpt_path best`` in `validate`, `test` or `predict`: the run's best checkpoint, as its
+        newest checkpoint records it (Lightning's ``best`` is the fit's in the same process only)."""
+        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        best = best_checkpoint(dirpath) if self.subcommand != "fit" else None
+        if best is None:
+            raise ConfigError(
+                f"ckpt_path best: no best checkpoint recorded in {dirpath}"
+                + (" (fit resumes with --ckpt_path last)" if self.subcommand == "fit" else "")
+                + ": give a checkpoint's path"
+            )
+        check_checkpoint(best, self._speakers(), self._adapter())
+        if self.trainer.is_global_zero:
+            print(f"ckpt_path best: {best}")
+        self.config_init[self.subcommand]["ckpt_path"] = str(best)
+
     def _resume_from(self, newest: Path | None, said: str | None) -> None:
         """The checkpoint a rank resolved on its own storage, checked and given to the fit (said by
         rank 0). The strategy learns whether this rank found one: every rank must agree
@@ -228,7 +252,7 @@ class TTSLightningCLI(LightningCLI):
             self.trainer.strategy.resolved_resume = newest is not None
         if newest is None:
             return
-        check_checkpoint(newest, self._speakers())
+        check_checkpoint(newest, self._speakers(), self._adapter())
         if said and self.trainer.is_global_zero:
             print(said)
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)

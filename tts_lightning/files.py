@@ -34,6 +34,14 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The file (not folder) that ``path`` or one of its parents is, which would keep a folder from
+    being made there; None when there is none."""
+    path = Path(path).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def free_space(path: str | os.PathLike) -> int | None:
     """Free bytes (for an unprivileged user) on the file system that holds ``path`` or, when it does
     not exist yet, its nearest existing parent; None when that cannot be read."""

@@ -11,6 +11,9 @@
   auto-requeue checkpoints (``hpc_ckpt_<n>.ckpt`` in the run's folder) count too, and a SLURM job
   without ``--ckpt_path`` whose folder has them (a requeued one) resumes from the run's newest
   complete checkpoint, not from a number that a save the time limit cut short took.
+- ``best`` (``validate``, ``test``, ``predict``) is the best checkpoint the run's newest complete
+  checkpoint records (its `ModelCheckpoint` state's ``best_model_path``): Lightning knows it only
+  in the process that ran the fit.
 - Anything else must be a checkpoint: a file that is not one, or a folder that is not a sharded
   checkpoint, is one line, not an unpickling traceback.
 """
@@ -58,10 +61,32 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
     return max(written, key=lambda p: (written[p], p.name == LAST))
 
 
-def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) -> dict[str, Any]:
+def best_checkpoint(folder: str | Path | None) -> Path | None:
+    """The best checkpoint (by the run's monitor) that the newest complete checkpoint of ``folder``
+    records, where it still exists; None when there is none."""
+    import torch
+
+    newest = newest_checkpoint(folder)
+    if newest is None:
+        return None
+    try:
+        saved = torch.load(newest / "meta.pt" if newest.is_dir() else newest, map_location="cpu", mmap=True)
+    except Exception:  # unreadable as plain tensors and containers: no best recorded that we can read
+        return None
+    for state in (saved.get("callbacks") or {}).values():
+        best = state.get("best_model_path") if isinstance(state, dict) else None
+        if best and Path(best).exists():
+            return Path(best)
+    return None
+
+
+def check_checkpoint(
+    path: str | Path, speakers: Sequence[str] | None = None, adapter: bool | None = None
+) -> dict[str, Any]:
     """The hyper-parameters of the checkpoint ``--ckpt_path`` names. A path that does not exist or
     is not a checkpoint, or one trained on other speakers than ``speakers`` (the run's: its speaker
-    table has a row each), is one line naming it."""
+    table has a row each), or with a LoRA adapter where the run has none (``adapter``: whether it
+    has one) or the reverse (its tensors are another set), is one line naming it."""
     import zipfile
 
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
@@ -81,5 +106,12 @@ def check_checkpoint(path: str | Path, speakers: Sequence[str] | None = None) ->
         raise ConfigError(
             f"ckpt_path {path} was trained on the speakers {keep}, this run has [{', '.join(speakers)}]: "
             f"resume with its speakers (--data.speakers '{keep}' and its data), or start a new run"
+        )
+    trained_with = hyper_parameters.get("adapter") is not None
+    if adapter is not None and "adapter" in hyper_parameters and trained_with != adapter:
+        with_, without = "with a LoRA adapter (model.adapter)", "without a LoRA adapter"
+        raise ConfigError(
+            f"ckpt_path {path} was trained {with_ if trained_with else without}, this run is "
+            f"{with_ if adapter else without}: use the config it was trained with, or start a new run"
         )
     return hyper_parameters

@@ -39,10 +39,27 @@ def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_synthesize_without_text_is_a_usage_error(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([], "give --text or --text-file"),
+        (["--text", " "], "--text is empty: give the words to speak"),
+        (["--text", "Hi.", "--out", "{tmp}/x.mp3"], "--out {tmp}/x.mp3: synthesize writes WAV; give a .wav file"),
+        (["--text", "Hi.", "--text", "Bye."], "--out {tmp}/x.wav is one file for 2 texts; give a folder"),
+    ],
+)  # fmt: skip
+def test_synthesize_usage_errors_before_the_model_loads(tmp_path, capsys, args, said):
+    filled = [a.format(tmp=tmp_path) for a in args]
+    out = [] if "--out" in filled else ["--out", str(tmp_path / "x.wav")]
     with pytest.raises(SystemExit) as exit_:
-        main(["synthesize", "--model", str(tmp_path), "--out", str(tmp_path / "x.wav")])
-    assert exit_.value.code == 2 and "give --text or --text-file" in capsys.readouterr().err
+        main(["synthesize", "--model", str(tmp_path / "nope"), *out, *filled])
+    assert exit_.value.code == 2 and said.format(tmp=tmp_path) in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_an_unknown_command_is_named(capsys):
+    assert main(["fitt"]) == 2
+    assert capsys.readouterr().err.endswith("tts-lightning: error: unknown command 'fitt'\n")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """`tts-lightning fit` in one process (FSDP1 NO_SHARD, as the 1-GPU configs): ``--ckpt_path last``
 with no checkpoint yet says so in one line and starts at step 0; ``last.ckpt`` holds the last step
 even when the run ends between validations (Lightning saved it at the end only when it had saved
-none: a fit of 3 steps validated every 2 ended with ``last.ckpt`` at step 2)."""
+none: a fit of 3 steps validated every 2 ended with ``last.ckpt`` at step 2); `validate --ckpt_path
+best` finds the run's best checkpoint (Lightning knows it only in the process of the fit)."""
 
 from __future__ import annotations
 
@@ -35,5 +36,9 @@ def test_last_checkpoint_is_the_last_step(tiny_dir, demo_data, tmp_path, monkeyp
     assert f"ckpt_path last: no checkpoint in {run / 'checkpoints'} yet: starting at step 0" in out
     assert "there is no last checkpoint available" not in out + err  # Lightning's hint (save_last), not said
     assert load_training_checkpoint(run / "checkpoints" / "last.ckpt").global_step == 3
-    kept = [p.name for p in (run / "checkpoints").iterdir() if p.name != "last.ckpt"]
-    assert [name[:10] for name in kept] == ["step000002"]  # the validated step, as before
+    kept = [p for p in (run / "checkpoints").iterdir() if p.name != "last.ckpt"]
+    assert [p.name[:10] for p in kept] == ["step000002"]  # the validated step, as before
+    # `validate --ckpt_path best` in another process: the best one the run's newest checkpoint records.
+    validate = ["validate", *args[1 : args.index("--trainer.max_steps")], "--ckpt_path", "best"]
+    assert main(validate) == 0
+    assert f"ckpt_path best: {kept[0]}" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from tts_lightning.data.validation import ValidationConfig
 from tts_lightning.errors import ConfigError
+from tts_lightning.files import file_in_the_way
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class PrepareSettings:
         """Refuse a bad value now rather than in the middle of prepare."""
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        file = file_in_the_way(self.cache_dir) if self.cache_dir else None
+        if file is not None:
+            raise ValueError(f"data.cache_dir {self.cache_dir}: {file} is a file; give a folder")
         if self.normalize not in (None, "peak", "rms"):
             raise ValueError(f"normalize must be None, 'peak' or 'rms', got {self.normalize!r}")
         if self.manifest_encoding is not None:

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from tts_lightning.errors import UserError
-from tts_lightning.files import replace_directory, save_safetensors, staged_directory
+from tts_lightning.files import file_in_the_way, replace_directory, save_safetensors, staged_directory
 from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 from tts_lightning.model.custom_voice import new_speaker_ids, speaker_codec_ids
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
@@ -141,12 +141,11 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
     """Refuse to write ``out`` where that would lose something: an existing folder is replaced only
     with ``overwrite`` and only if it is a model folder (a Qwen3-TTS ``config.json``, or a LoRA
     adapter's ``adapter_config.json``: what an export writes); an empty folder is written into."""
+    file = file_in_the_way(out)
+    if file is not None:
+        raise ExportError(f"{out}: {file} is a file, not a folder; choose another --out")
     if not out.exists():
-        if out.parent.exists() and not out.parent.is_dir():
-            raise ExportError(f"{out}: {out.parent} is a file, not a folder; choose another --out")
         return
-    if not out.is_dir():
-        raise ExportError(f"{out} is a file; choose a folder for --out")
     if not any(out.iterdir()):
         return
     if not overwrite:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# --out names that ask for audio this command does not write (it writes WAV).
+OTHER_AUDIO = {".mp3", ".flac", ".ogg", ".opus", ".m4a", ".aac", ".aif", ".aiff"}
+
 
 def synthesize_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
@@ -55,11 +58,18 @@ def synthesize_command(argv: list[str]) -> int:
     # After parsing: --help and usage errors without importing torch.
     from tts_lightning.model.synthesis import BATCH_SIZE, read_text_file, synthesize
 
+    if any(not text.strip() for text in args.text):
+        parser.error("--text is empty: give the words to speak")
     texts = list(args.text)
     if args.text_file:
         texts += read_text_file(args.text_file, "--text-file")
     if not texts:
         parser.error("give --text or --text-file" + (f" ({args.text_file} holds no text)" if args.text_file else ""))
+    suffix = args.out.suffix.lower()
+    if suffix in OTHER_AUDIO:
+        parser.error(f"--out {args.out}: synthesize writes WAV; give a .wav file (one text) or a folder")
+    if suffix == ".wav" and len(texts) > 1:
+        parser.error(f"--out {args.out} is one file for {len(texts)} texts; give a folder (one .wav per text)")
 
     from tts_lightning.files import atomic_write_wav
 
@@ -77,7 +87,7 @@ def synthesize_command(argv: list[str]) -> int:
         dtype=args.dtype,
         batch_size=BATCH_SIZE if args.batch_size is None else args.batch_size,
     )
-    if len(wavs) == 1 and args.out.suffix.lower() == ".wav":
+    if suffix == ".wav":
         outs = [args.out]
     else:
         outs = [args.out / f"{i:03d}.wav" for i in range(len(wavs))]

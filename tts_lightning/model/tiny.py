@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tts_lightning.errors import UserError
-from tts_lightning.files import save_safetensors, staged_directory
+from tts_lightning.files import file_in_the_way, save_safetensors, staged_directory
 from tts_lightning.model.tiny_tokenizer import TEXT_VOCAB_SIZE, build_text_tokenizer, special_id
 from tts_lightning.model.tiny_weights import _fan_in_init, _init_speech_tokenizer
 
@@ -301,6 +301,9 @@ def build_tiny_pretrained(
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         path = tiny_cache_dir() / f"tiny-qwen3-tts-{model_type}-{digest}"
     out = Path(path).expanduser().resolve()
+    file = file_in_the_way(out)
+    if file is not None:
+        raise TinyModelExistsError(f"{file} is a file; choose a folder path for the tiny model")
     stamp = out / "tiny_model.json"
     if stamp.is_file():
         if json.loads(stamp.read_text()) == key:
