@@ -58,6 +58,7 @@ CASES = [
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--model.adapter.rank", "8"], "model.adapter: LoRA is not offered from a custom_voice model ({cv}): its speakers are codec-embedding rows that train in full; train without model.adapter"),
     ("fit", [*FIT, "--data.train_manifest", "{work}/nope.jsonl"], "manifest not found: {work}/nope.jsonl"),
     ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
+    ("fit", [*FIT, "--data.num_reference_clips", "0"], "num_reference_clips must be positive, got 0"),
     ("fit", [*FIT, "--data.replay_fraction", "0.2"], "data.replay_fraction: replay needs a custom_voice model with built-in speakers as data.pretrained ({tiny} is 'base'); set data.replay_fraction: 0"),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--data.layout", "icl"], "data.layout 'icl' is not offered from a custom_voice model ({cv}): generate_voice_clone refuses non-base models and a CustomVoice model has no speaker encoder; use data.layout xvector (data.streaming true or false) or start from a *-Base model"),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--data.replay_fraction", "1"], "data.replay_fraction must be in [0, 1) (0: off), got 1.0"),

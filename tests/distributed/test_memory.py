@@ -218,6 +218,9 @@ def test_plan_command_exit_codes(capsys):
     assert "FULL_SHARD" in capsys.readouterr().out
     assert main(["plan", "--model", "no-such-model", "--gpu-memory", "16"]) == 2
     assert "tts-lightning plan: error: model 'no-such-model': not a preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # planned for 1 GPU before
+        plan_command(["--model", "1.7b", "--gpus", "0", "--gpu-memory", "16"])
+    assert exit_.value.code == 2 and "--gpus must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_plan_from_yaml(tmp_path, tiny_dir, capsys):

@@ -50,6 +50,8 @@ class PrepareSettings:
 
     def __post_init__(self) -> None:
         """Refuse a bad value now rather than in the middle of prepare."""
+        if self.num_reference_clips <= 0:  # found now, not after every clip is encoded
+            raise ValueError(f"num_reference_clips must be positive, got {self.num_reference_clips}")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         file = file_in_the_way(self.cache_dir) if self.cache_dir else None

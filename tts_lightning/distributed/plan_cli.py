@@ -71,6 +71,8 @@ def plan_command(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     if overrides and not args.config:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    if args.gpus is not None and args.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {args.gpus}")
     from tts_lightning.distributed.memory import plan_from_config, plan_memory
 
     ray, overrides = _ray_options(overrides)

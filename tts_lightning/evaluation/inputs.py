@@ -174,7 +174,8 @@ def choose_speakers(index: dict, index_file: Path, model_dir: Path, speakers: Se
     if not available:
         raise EvaluationError(
             f"the fine-tuned model's speakers {sorted(model_speakers)} are not in the "
-            f"data ({index_file}: {data_speakers})"
+            f"data ({index_file}: {data_speakers}): give the run's data, --prepared <its data.cache_dir> "
+            "or --config <the config.yaml its fit saved beside its TensorBoard logs>"
         )
     return available
 
