@@ -80,6 +80,19 @@ def test_jsonl_malformed_lines_become_rejections_with_line_numbers(tmp_path: Pat
     assert "widths" in bad["train.jsonl:7"].detail
 
 
+def test_ljspeech_header_row_is_not_a_clip(tmp_path: Path) -> None:
+    root = tmp_path / "LJ"
+    (root / "wavs").mkdir(parents=True)
+    (root / "metadata.csv").write_text("id|text|normalized\nLJ001|Hello.|Hello.\nfile|A clip named file.\n")
+    result = load_manifest(root / "metadata.csv")
+    # The header (line 1) is skipped; a later row with a header-like id is a clip like any other.
+    assert [(r.audio.name, r.text) for r in result.records] == [
+        ("LJ001.wav", "Hello."),
+        ("file.wav", "A clip named file."),
+    ]
+    assert result.rejected == []
+
+
 def test_ljspeech_two_and_three_columns(tmp_path: Path) -> None:
     root = tmp_path / "LJ"
     root.mkdir()

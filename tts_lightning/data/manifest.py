@@ -306,6 +306,10 @@ def _split_ljspeech_row(line: str) -> list[str]:
     return cols
 
 
+# First columns of a header row that spreadsheets and dataset tools write above `id|text` rows.
+LJSPEECH_HEADER_IDS = frozenset({"id", "file", "filename", "file_name", "file_id", "name", "audio", "wav", "path"})
+
+
 def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: str | None = None) -> ManifestResult:
     """Read an LJSpeech metadata.csv: `id|text` or `id|text|normalized`, audio in `wavs/<id>.wav`."""
     path = Path(path)
@@ -345,6 +349,8 @@ def read_ljspeech_csv(path: Path, default_speaker: str = "speaker", encoding: st
                 Rejection(source, None, "malformed_entry", f"{path}:{lineno}: empty clip id in first column")
             )
             continue
+        if lineno == 1 and clip_id.lower() in LJSPEECH_HEADER_IDS and not (wavs / f"{clip_id}.wav").exists():
+            continue  # a header row (LJSpeech has none; exported spreadsheets do): not a clip
         text = cols[2] if len(cols) == 3 and cols[2].strip() else cols[1]
         audio = wavs / f"{clip_id}.wav"
         records.append(
