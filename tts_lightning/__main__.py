@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from tts_lightning.errors import STOPPED_BY_SIGTERM, report_errors
+from tts_lightning.errors import STOPPED_BY_CTRL_C, STOPPED_BY_SIGTERM, report_errors
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -91,7 +91,7 @@ def _stoppable(command: str, run: Callable[[], int]) -> int:
     except (KeyboardInterrupt, _Terminated) as stop:
         how = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"
         print(f"tts-lightning {command}: stopped by {how}; what it finished is kept", file=sys.stderr)
-        return 130 if how == "Ctrl-C" else STOPPED_BY_SIGTERM
+        return STOPPED_BY_CTRL_C if how == "Ctrl-C" else STOPPED_BY_SIGTERM
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -109,24 +109,32 @@ def main(argv: list[str] | None = None) -> int:
 
         def lightning() -> int:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
+            from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
             from tts_lightning.cli import cli_main
+
+            kept = "the checkpoints written so far are kept: resume with --ckpt_path last"
+            if argv[0] == "predict":
+                kept = "the files written so far are kept"
+            elif argv[0] != "fit":
+                kept = "no results were written"
+
+            def stopped(how: str, status: int) -> int:
+                if getattr(rank_zero_only, "rank", 0) == 0:  # said once, not by every process
+                    print(f"tts-lightning {argv[0]}: stopped by {how} before the end; {kept}", file=sys.stderr)
+                return status
 
             try:
                 # From the command line LightningCLI reads sys.argv itself (given args, it warns that
                 # they are meant for calls from Python).
                 cli_main(None if from_command_line else argv)
             except SIGTERMException:  # a SystemExit without a status: it would exit 0
-                from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-                kept = "the checkpoints written so far are kept: resume with --ckpt_path last"
-                if argv[0] == "predict":
-                    kept = "the files written so far are kept"
-                elif argv[0] != "fit":
-                    kept = "no results were written"
-                if getattr(rank_zero_only, "rank", 0) == 0:  # said once, not by every process
-                    print(f"tts-lightning {argv[0]}: stopped by SIGTERM before the end; {kept}", file=sys.stderr)
-                return STOPPED_BY_SIGTERM
+                return stopped("SIGTERM", STOPPED_BY_SIGTERM)
+            except SystemExit as exit_:
+                # Lightning's own stop on Ctrl-C: its graceful shutdown, then sys.exit(1).
+                if isinstance(exit_.__context__, KeyboardInterrupt):
+                    return stopped("Ctrl-C", STOPPED_BY_CTRL_C)
+                raise
             return 0
 
         # In a run of several processes each one that fails says so; Lightning has already

@@ -31,6 +31,7 @@ _UNTYPED_TYPES = (ValueError, FileNotFoundError, FileExistsError)
 
 
 STOPPED_BY_SIGTERM = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
+STOPPED_BY_CTRL_C = 130  # 128 + SIGINT
 
 
 class UserError(Exception):

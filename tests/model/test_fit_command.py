@@ -1,0 +1,78 @@
+"""`tts-lightning fit` in one process (FSDP1 NO_SHARD, as the 1-GPU configs), through the command:
+``--ckpt_path last`` with no checkpoint yet says so in one line and starts at step 0; ``last.ckpt``
+holds the last step even when the run ends between validations (Lightning saved it at the end only
+when it had saved none: a fit of 3 steps validated every 2 ended with ``last.ckpt`` at step 2);
+`validate --ckpt_path best` finds the run's best checkpoint (Lightning knows it only in the process
+of the fit); Ctrl-C ends in one line that says how to resume, with status 130."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from lightning.pytorch import Callback
+
+from tts_lightning.__main__ import main
+from tts_lightning.model.checkpoint import load_training_checkpoint
+
+TINY_CPU = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
+
+
+def _fit_args(tiny_dir, demo_data, run: Path) -> list[str]:
+    _, manifest, cache = demo_data
+    args = [
+        "fit",
+        "--config",
+        str(TINY_CPU),
+        "--data.pretrained",
+        str(tiny_dir),
+        "--data.train_manifest",
+        str(manifest),
+    ]
+    args += ["--data.cache_dir", str(cache), "--data.max_frames_per_batch", "150", "--trainer.devices", "1"]
+    args += ["--trainer.logger", "false", "--trainer.default_root_dir", str(run)]
+    return [*args, "--trainer.max_steps", "3", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"]
+
+
+def test_last_checkpoint_is_the_last_step(tiny_dir, demo_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])  # as the command sees it (not pytest's)
+    run = tmp_path / "run"
+    args = _fit_args(tiny_dir, demo_data, run)
+    assert main([*args, "--ckpt_path", "last"]) == 0
+    out, err = capsys.readouterr()
+    assert f"ckpt_path last: no checkpoint in {run / 'checkpoints'} yet: starting at step 0" in out
+    assert "there is no last checkpoint available" not in out + err  # Lightning's hint (save_last), not said
+    assert load_training_checkpoint(run / "checkpoints" / "last.ckpt").global_step == 3
+    kept = [p for p in (run / "checkpoints").iterdir() if p.name != "last.ckpt"]
+    assert [p.name[:10] for p in kept] == ["step000002"]  # the validated step, as before
+    # `validate --ckpt_path best` in another process: the best one the run's newest checkpoint records.
+    validate = ["validate", *args[1 : args.index("--trainer.max_steps")], "--ckpt_path", "best"]
+    assert main(validate) == 0
+    assert f"ckpt_path best: {kept[0]}" in capsys.readouterr().out
+
+
+class CtrlCAt(Callback):
+    """Ctrl-C at the start of training batch ``batch``: Python raises KeyboardInterrupt there."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.batch:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, capsys):
+    """Lightning stops gracefully on Ctrl-C and exits with status 1, saying nothing of the run;
+    the command says what is kept and how to go on, with the status a shell gives Ctrl-C."""
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        args = _fit_args(tiny_dir, demo_data, tmp_path / "run")
+        assert main([*args, "--trainer.callbacks+=test_fit_command.CtrlCAt", "--trainer.callbacks.batch", "2"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
+    said = "tts-lightning fit: stopped by Ctrl-C before the end; the checkpoints written so far are kept: resume with --ckpt_path last"
+    assert said in capsys.readouterr().err
