@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +108,8 @@ def save() -> None:
 
 def fit_config(name: str, config: str, *extra: str) -> list[str]:
     run = WORK / name
+    if "--ckpt_path" not in extra:  # a fresh run (a rerun on a warm machine): the last one's folder goes
+        shutil.rmtree(run, ignore_errors=True)
     return [
         "-m", "tts_lightning", "fit", "--config", config, "--data.pretrained", "tiny",
         "--data.train_manifest", "tts_lightning/demo/train.jsonl", "--data.cache_dir", str(WORK / "cache"),
@@ -193,8 +196,15 @@ def main() -> int:
             resume = fit_config("config_0.6b_1gpu", one_gpu, "--trainer.max_steps", "3", "--ckpt_path", "last")
             lean_resume = fit_config("config_1.7b_1x24gb", lean, "--trainer.max_steps", "3", "--ckpt_path", "last")
             offload_resume = fit_config(
-                offload1, one_gpu, "--trainer.strategy.init_args.cpu_offload", "true", "--trainer.max_steps", "3"
-            ) + ["--ckpt_path", "last"]
+                offload1,
+                one_gpu,
+                "--trainer.strategy.init_args.cpu_offload",
+                "true",
+                "--trainer.max_steps",
+                "3",
+                "--ckpt_path",
+                "last",
+            )
             ok &= finish(
                 [
                     start("config_0.6b_1gpu_resume", resume),

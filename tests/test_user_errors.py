@@ -76,6 +76,7 @@ CASES = [
     ("fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"),
     ("fit", [*FIT, "--ckpt_path", "{work}/lora-sharded"], "ckpt_path {work}/lora-sharded was trained with a LoRA adapter (model.adapter), this run is without a LoRA adapter: use the config it was trained with, or start a new run"),
     ("fit", [*FIT, "--data.cache_dir", "{work}/text.ckpt/cache"], "data.cache_dir {work}/text.ckpt/cache: {work}/text.ckpt is a file; give a folder"),
+    ("validate", [*FIT, "--ckpt_path", "last"], "ckpt_path last: no checkpoint in {work}/run/checkpoints: give a checkpoint's path"),
     ("validate", [*FIT, "--ckpt_path", "best"], "ckpt_path best: no best checkpoint recorded in {work}/run/checkpoints: give a checkpoint's path"),
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
@@ -105,12 +106,14 @@ CASES = [
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes"], "{work}/notes already exists; choose a new folder, or replace that export with --overwrite"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes", "--overwrite"], "{work}/notes is not a model folder (it holds keep.txt): --overwrite replaces only an earlier export; choose a new folder for --out"),
+    ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{tiny}", "--overwrite"], "{tiny} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/text.ckpt/voice"], "{work}/text.ckpt/voice: {work}/text.ckpt is a file, not a folder; choose another --out"),
     ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     pytest.param("ray-fit", [*FIT, "--trainer.strategy", "ddp"], "ray-fit trains with FSDP1 or FSDP2; trainer.strategy='ddp' is not supported (use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2))", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder", marks=needs_ray),
+    pytest.param("ray-fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)", marks=needs_ray),
 ]  # fmt: skip
 

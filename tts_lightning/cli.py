@@ -169,7 +169,7 @@ class TTSLightningCLI(LightningCLI):
         if str(path) == "hpc" or path is None:
             self._resolve_requeued(asked=path is not None)
             if path is None and self.subcommand == "fit" and self.config_init["fit"].get("ckpt_path") is None:
-                self._refuse_an_earlier_runs_folder()
+                self.refuse_an_earlier_runs_folder()
             return
         if str(path) == "best":
             self._resolve_best()
@@ -185,14 +185,18 @@ class TTSLightningCLI(LightningCLI):
             return
         check_checkpoint(path, self._speakers(), self._adapter())
 
-    def _refuse_an_earlier_runs_folder(self) -> None:
+    def refuse_an_earlier_runs_folder(self) -> None:
         """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
         checkpoint: refused, or its first save would replace that run's ``last.ckpt`` (a rerun of a
-        stopped fit's command without ``--ckpt_path last`` lost it). Where each rank reads its own
-        storage (several nodes), not checked: a rank that stopped here would leave the others waiting."""
-        if self._ranks_read_their_own_storage():
+        stopped fit's command without ``--ckpt_path last`` lost it). Not checked where the ranks are
+        started by torchrun or SLURM (each rank checks its own storage: one that stopped here would
+        leave the others waiting); `ray-fit` checks on its driver."""
+        if self.trainer is None:  # ray-fit's driver builds no Trainer: the folder the workers' will use
+            dirpath = (self.config.get("checkpoint") or {}).get("dirpath")
+        elif self._ranks_read_their_own_storage():
             return
-        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        else:
+            dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         earlier = newest_checkpoint(dirpath) if dirpath else None
         if earlier is not None:
             raise ConfigError(
@@ -223,6 +227,8 @@ class TTSLightningCLI(LightningCLI):
         newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
         said = f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
         self._resume_from(newest, said if newest is not None and newest.name != LAST else None)
+        if newest is None and self.subcommand != "fit":  # the untrained model would be used silently
+            raise ConfigError(f"ckpt_path last: no checkpoint in {dirpath}: give a checkpoint's path")
         if newest is None:  # said here: Lightning's warning would suggest save_last, which is on
             self.config_init[self.subcommand]["ckpt_path"] = None
             if self.trainer.is_global_zero:
@@ -231,6 +237,8 @@ class TTSLightningCLI(LightningCLI):
     def _resolve_best(self) -> None:
         """``--ckpt_path best`` in `validate`, `test` or `predict`: the run's best checkpoint, as its
         newest checkpoint records it (Lightning's ``best`` is the fit's in the same process only)."""
+        if self._ranks_read_their_own_storage():
+            return  # one rank refusing alone would leave the others waiting: Lightning's own check
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         best = best_checkpoint(dirpath) if self.subcommand != "fit" else None
         if best is None:

@@ -69,14 +69,19 @@ def best_checkpoint(folder: str | Path | None) -> Path | None:
     newest = newest_checkpoint(folder)
     if newest is None:
         return None
+    import pickle
+
     try:
         saved = torch.load(newest / "meta.pt" if newest.is_dir() else newest, map_location="cpu", mmap=True)
-    except Exception:  # unreadable as plain tensors and containers: no best recorded that we can read
+    except (pickle.UnpicklingError, RuntimeError):  # not plain tensors and containers: none we can read
         return None
     for state in (saved.get("callbacks") or {}).values():
         best = state.get("best_model_path") if isinstance(state, dict) else None
-        if best and Path(best).exists():
-            return Path(best)
+        if best:
+            # The folder's own file first: a moved or copied run's recorded path is elsewhere.
+            for candidate in (newest.parent / Path(best).name, Path(best)):
+                if candidate.exists():
+                    return candidate
     return None
 
 

@@ -76,3 +76,14 @@ def test_ctrl_c_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, c
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
     said = "tts-lightning fit: stopped by Ctrl-C before the end; the checkpoints written so far are kept: resume with"
     assert f"{said} --ckpt_path last\n" in capsys.readouterr().err
+
+
+def test_the_checkpoint_callback_keeps_model_checkpoints_state_key():
+    """Lightning matches a checkpoint's callback state by this key: with the class's own name, a
+    run saved with `ModelCheckpoint` lost its best and top-k bookkeeping when resumed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tts_lightning.callbacks import LastStepCheckpoint
+
+    settings = {"monitor": "val/loss", "mode": "min", "save_last": True}
+    assert LastStepCheckpoint(**settings).state_key == ModelCheckpoint(**settings).state_key

@@ -243,10 +243,14 @@ def worker_cpus(cluster: dict[str, float], use_gpu: bool, cpu_offload: bool) -> 
     return float(max(1, int(cluster.get("CPU", 1) // gpus)))
 
 
-def prepare_on_driver(args: list[str]) -> TTSLightningCLI:
-    """Parse and check the config as ``fit`` would, and prepare the data once, here."""
+def prepare_on_driver(args: list[str], ckpt_path: str | None = None) -> TTSLightningCLI:
+    """Parse and check the config as ``fit`` would (a new run into an earlier run's checkpoint
+    folder refused, here: the workers build their trainers without `fit`'s checks), and prepare
+    the data once, here."""
     cli = build_cli(args, None)
     ray_strategy(cli.config["trainer"].get("strategy"))  # refuse a strategy other than FSDP1 / FSDP2 early
+    if ckpt_path is None:
+        cli.refuse_an_earlier_runs_folder()
     cli.datamodule.prepare()
     return cli
 
@@ -255,7 +259,7 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
     """Prepare the data on the driver, then train on Ray. Returns Ray's `Result`; raises
     `RayFitError` when the workers fail more than ``max_failures`` times. ``args`` are LightningCLI
     arguments without a subcommand (``--config FILE --trainer.max_steps 10 ...``)."""
-    cli = prepare_on_driver(args)
+    cli = prepare_on_driver(args, ckpt_path)
     root = cli.config["trainer"].get("default_root_dir") or "runs"
     storage_path = options.storage_path or str(Path(root, "ray").expanduser().absolute())
     if "://" not in storage_path:
@@ -290,7 +294,7 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
             init["runtime_env"] = {"env_vars": env_vars}
         ray.init(**init)
     try:
-        _check_every_node_sees(cli, storage_path)
+        _check_every_node_sees(cli, storage_path, options.use_gpu)
     except BaseException:
         if started:
             ray.shutdown()
@@ -333,17 +337,17 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
             ray.shutdown()
 
 
-def _check_every_node_sees(cli: TTSLightningCLI, storage_path: str) -> None:
-    """Refuse, in one line, folders that a node of the cluster does not see: the workers start in
-    the driver's working directory (the config's relative paths), read the codes the driver prepared
-    in ``data.cache_dir`` and hand their checkpoints to a local ``--ray.storage_path``. Ray checks
-    its storage only when the first checkpoint is reported (after ``checkpoint_every_n_steps`` of
-    training, on every retry); the others failed on every worker, or ran elsewhere."""
-    folders = {"the working directory": os.getcwd(), "data.cache_dir": str(cli.datamodule.cache_dir)}
+def _check_every_node_sees(cli: TTSLightningCLI, storage_path: str, use_gpu: bool) -> None:
+    """Refuse, in one line, folders that a node that may host a worker (a GPU node for GPU workers)
+    does not see: the workers read the codes the driver prepared in ``data.cache_dir`` and hand
+    their checkpoints to a local ``--ray.storage_path``. Ray checks its storage only when the first
+    checkpoint is reported (after ``checkpoint_every_n_steps`` of training, on every retry); a
+    missing cache failed on every worker."""
+    folders = {"data.cache_dir": str(cli.datamodule.cache_dir)}
     if "://" not in storage_path:
         Path(storage_path).mkdir(parents=True, exist_ok=True)
         folders["--ray.storage_path"] = storage_path
-    lacking = folders_missing_on_nodes(folders)
+    lacking = folders_missing_on_nodes(folders, gpu_nodes_only=use_gpu)
     if lacking:
         from tts_lightning.errors import ConfigError
 
@@ -355,16 +359,17 @@ def _check_every_node_sees(cli: TTSLightningCLI, storage_path: str) -> None:
         )
 
 
-def folders_missing_on_nodes(folders: dict[str, str]) -> dict[str, list[str]]:
+def folders_missing_on_nodes(folders: dict[str, str], *, gpu_nodes_only: bool = False) -> dict[str, list[str]]:
     """{node address: the names in ``folders`` (name: path) whose folder it lacks}, for every alive
-    node of the Ray cluster this process is connected to, each checked by a task pinned there."""
+    node of the Ray cluster this process is connected to (with ``gpu_nodes_only``, those with GPUs),
+    each checked by a task pinned there."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
     def missing(paths: dict[str, str]) -> list[str]:
         return [name for name, path in paths.items() if not os.path.isdir(path)]
 
-    nodes = [n for n in ray.nodes() if n["Alive"]]
+    nodes = [n for n in ray.nodes() if n["Alive"] and (not gpu_nodes_only or n["Resources"].get("GPU", 0) > 0)]
     pending = [
         missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(folders)
         for n in nodes

@@ -16,8 +16,9 @@ processes Lightning started), from the first batch of a fit's sanity check, of `
 or `predict` on (Lightning registers its handlers just before). At the start of each batch,
 training or not, the ranks all-reduce their notes, and act on the all-reduce of the batch before
 (the first batch waits for its own): on SIGTERM all stop there (as Lightning stops: its
-`SIGTERMException`); on the requeue signal (a fit's only: `validate`, `test` and `predict` keep
-Lightning's handler, which has nothing to resume there) every rank runs Lightning's requeue
+`SIGTERMException`); on the requeue signal (in a fit: `validate`, `test` and `predict` only note
+it, since Lightning's handler would save a checkpoint without optimizer state from inside the
+signal handler, which a later fit in the folder would resume from) every rank runs Lightning's requeue
 handler at the end of that batch or, accumulating gradients, of the first later one that steps the
 optimizer: where `ModelCheckpoint` saves, so the checkpoint holds one step on every rank and
 resumes as its checkpoints do. The all-reduce's result is copied to the host without waiting and
@@ -76,7 +77,6 @@ class SchedulerSignals:
 
     def _take_over_signals(self) -> None:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
-        fitting = trainer.state.fn == "fit"
         connector = trainer._signal_connector
         self._sigterm_noted |= connector.received_sigterm  # Lightning's notifier had it first
         # Lightning registers no handlers outside the main thread, nor SIGTERM's on Windows: its
@@ -88,7 +88,7 @@ class SchedulerSignals:
             # batch's start (a wait for the GPU's queue to drain, each step): without it, 0 every time.
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
         requeue_signal = getattr(self.cluster_environment, "requeue_signal", None)  # type: ignore[attr-defined]
-        if main and fitting and requeue_signal is not None:  # SLURM: Lightning's handler with auto-requeue
+        if main and requeue_signal is not None:  # SLURM: Lightning's handler with auto-requeue
             _swap(requeue_signal, connector._slurm_sigusr_handler_fn, self._note_requeue)
 
     def _note_sigterm(self, signum: int, frame: Any) -> None:

@@ -150,6 +150,8 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ExportError(f"{out} already exists; choose a new folder, or replace that export with --overwrite")
+    if (out / "tiny_model.json").is_file():
+        raise ExportError(f"{out} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder")
     if not _is_model_folder(out):
         names = sorted(p.name for p in out.iterdir())
         held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
@@ -157,6 +159,13 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
             f"{out} is not a model folder (it holds {held}): --overwrite replaces only an earlier export; "
             "choose a new folder for --out"
         )
+
+
+def refuse_the_source(out: Path, source: object) -> None:
+    """An export never replaces the pretrained model its checkpoint starts from (a local folder)."""
+    folder = Path(str(source)).expanduser() if source is not None else None
+    if folder is not None and folder.is_dir() and folder.resolve() == out:
+        raise ExportError(f"{out} is the pretrained model this checkpoint starts from: choose a new folder for --out")
 
 
 def _is_model_folder(folder: Path) -> bool:
@@ -189,6 +198,7 @@ def export_custom_voice(
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    refuse_the_source(out, pretrained or reader.hyper_parameters.get("pretrained"))
     rows = reader.hyper_parameters.get("speaker_codec_ids")
     if rows is None:  # from a Base model: the speakers' x-vectors become new codec rows
         speakers, embeddings = _speaker_table(reader, ckpt)
@@ -237,6 +247,7 @@ def export_base(
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    refuse_the_source(out, pretrained or reader.hyper_parameters.get("pretrained"))
     source_dir = pretrained or reader.hyper_parameters.get("pretrained")
     if source_dir is None:
         raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
@@ -422,6 +433,7 @@ def export_adapter(
     out = Path(out).expanduser().resolve()
     check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    refuse_the_source(out, pretrained or reader.hyper_parameters.get("pretrained"))
     hp = reader.hyper_parameters
     settings = _adapter_settings(hp)
     if settings is None:
