@@ -108,8 +108,6 @@ def save() -> None:
 
 def fit_config(name: str, config: str, *extra: str) -> list[str]:
     run = WORK / name
-    if "--ckpt_path" not in extra:  # a fresh run (a rerun on a warm machine): the last one's folder goes
-        shutil.rmtree(run, ignore_errors=True)
     return [
         "-m", "tts_lightning", "fit", "--config", config, "--data.pretrained", "tiny",
         "--data.train_manifest", "tts_lightning/demo/train.jsonl", "--data.cache_dir", str(WORK / "cache"),
@@ -181,6 +179,8 @@ def main() -> int:
         offload1 = "config_0.6b_1gpu_offload"
         # model.optimizer bf16_sr_adamw8bit on a GPU: torchao's compiled step (CPU runs it eagerly).
         lean = "configs/qwen3-tts-1.7b-1x24gb.yaml"
+        for fresh in ("config_0.6b_1gpu", offload, offload1, "config_1.7b_1x24gb"):
+            shutil.rmtree(WORK / fresh, ignore_errors=True)  # a rerun on a warm machine: new runs, not resumes
         ok &= finish(
             [
                 start("build_1.7b", ["benchmarks/released_dir.py", "1.7b", "runs/bench/released-1.7b"], threads=6),

@@ -64,13 +64,13 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
 def best_checkpoint(folder: str | Path | None) -> Path | None:
     """The best checkpoint (by the run's monitor) that the newest complete checkpoint of ``folder``
     records, where it still exists; None when there is none."""
+    import pickle
+
     import torch
 
     newest = newest_checkpoint(folder)
     if newest is None:
         return None
-    import pickle
-
     try:
         saved = torch.load(newest / "meta.pt" if newest.is_dir() else newest, map_location="cpu", mmap=True)
     except (pickle.UnpicklingError, RuntimeError):  # not plain tensors and containers: none we can read

@@ -349,8 +349,6 @@ def _check_every_node_sees(cli: TTSLightningCLI, storage_path: str, use_gpu: boo
         folders["--ray.storage_path"] = storage_path
     lacking = folders_missing_on_nodes(folders, gpu_nodes_only=use_gpu)
     if lacking:
-        from tts_lightning.errors import ConfigError
-
         node, missing = next(iter(lacking.items()))
         named = ", ".join(f"{what} ({folders[what]})" for what in missing)
         raise ConfigError(

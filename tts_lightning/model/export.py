@@ -247,8 +247,8 @@ def export_base(
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_replaceable(out, overwrite)
     reader = CheckpointReader(ckpt, trust=trust_checkpoint)
-    refuse_the_source(out, pretrained or reader.hyper_parameters.get("pretrained"))
     source_dir = pretrained or reader.hyper_parameters.get("pretrained")
+    refuse_the_source(out, source_dir)
     if source_dir is None:
         raise ExportError(f"{ckpt}: the checkpoint names no pretrained model; pass --pretrained")
     info = check_pretrained(source_dir)
