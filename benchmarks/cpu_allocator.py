@@ -57,7 +57,6 @@ def fit(tiny: Path, out: Path, steps: int, env: dict[str, str]) -> float:
         sys.executable, "-m", "tts_lightning", "fit", "--config", "configs/tiny-cpu.yaml",
         "--data.pretrained", str(tiny), "--data.cache_dir", str(out.parent / "fit-cache"),
         "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(out),
-        "--trainer.logger.init_args.save_dir", str(out),
     ]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(

@@ -111,7 +111,7 @@ def fit_config(name: str, config: str, *extra: str) -> list[str]:
     return [
         "-m", "tts_lightning", "fit", "--config", config, "--data.pretrained", "tiny",
         "--data.train_manifest", "tts_lightning/demo/train.jsonl", "--data.cache_dir", str(WORK / "cache"),
-        "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
+        "--trainer.default_root_dir", str(run),
         "--trainer.max_steps", "2", "--trainer.callbacks.max_new_tokens", "8",
         "--trainer.callbacks.similarity", "false", "--checkpoint.monitor", "val/loss", "--checkpoint.mode", "min",
         *extra,

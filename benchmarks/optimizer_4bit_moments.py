@@ -114,7 +114,7 @@ def fit(args: argparse.Namespace, run: str, manifests: tuple[Path, Path]) -> lis
     command += ["--data.pretrained", args.pretrained, "--data.train_manifest", str(manifests[0])]
     command += ["--data.val_manifest", str(manifests[1]), "--data.val_fraction", "0"]
     command += ["--data.cache_dir", str(args.work / "cache"), "--trainer.devices", "1", "--trainer.strategy", "auto"]
-    command += ["--trainer.default_root_dir", str(folder), "--trainer.logger.init_args.save_dir", str(folder)]
+    command += ["--trainer.default_root_dir", str(folder)]
     command += ["--trainer.enable_checkpointing", "false", "--model.learning_rate", str(args.lr)]
     command += ["--model.optimizer", run if "/" not in run else "adamw4bit"]
     if "/" in run:

@@ -133,8 +133,6 @@ def fit(args: argparse.Namespace, option: str, seed: int, manifests: tuple[Path,
         str(min(20, args.steps)),  # the demo's 20; shorter runs validate at their end
         "--trainer.default_root_dir",
         str(run),
-        "--trainer.logger.init_args.save_dir",
-        str(run),
         "--trainer.enable_checkpointing",
         "false",
         '--trainer.callbacks+={"class_path": "optimizer_quality.StepTimes"}',

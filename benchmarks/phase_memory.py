@@ -128,8 +128,6 @@ def main() -> int:
         str(args.work / "cache"),
         "--trainer.default_root_dir",
         str(args.work / "run"),
-        "--trainer.logger.init_args.save_dir",
-        str(args.work / "run"),
         "--trainer.callbacks+=memory_probe.PhaseMemory",
         *(["--trainer.callbacks.trim", "true"] if args.trim else []),
     ]

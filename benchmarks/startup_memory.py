@@ -119,8 +119,6 @@ def main() -> int:
             "150",
             "--trainer.default_root_dir",
             str(WORK / "run"),
-            "--trainer.logger.init_args.save_dir",
-            str(WORK / "run"),
             "--trainer.enable_checkpointing",
             "false",
             "--trainer.num_sanity_val_steps",

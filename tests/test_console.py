@@ -63,7 +63,7 @@ def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outp
     assert re.search(r"step 4/4\b", fit)  # steps, not "Epoch 1/-2"
     assert "val/loss" in fit and "train/loss" in fit  # the metrics
     assert f"checkpoints: {workspace / 'runs' / 'tiny-cpu' / 'checkpoints'} (last: " in fit
-    assert "logs: runs/tiny-cpu/tensorboard" in fit
+    assert "logs: runs/tiny-cpu/lightning_logs/version_" in fit
     assert str(Path("runs/tiny-cpu/voice")) in outputs["export"]
     assert "runs/tiny-cpu/hello_alice.wav" in outputs["synthesize"]
 
@@ -71,7 +71,7 @@ def test_demo_commands_print_what_matters_within_the_budget(workspace, demo_outp
 def test_fit_without_checkpointing_or_logger_writes_neither(workspace, run_cli):
     """``--trainer.logger false`` drops the default LearningRateMonitor (Lightning refuses it
     without a logger) and ``--trainer.enable_checkpointing false`` the `checkpoint:` callback."""
-    logs = workspace / "runs" / "tiny-cpu" / "tensorboard"  # the config's logger (the demo's run writes there)
+    logs = workspace / "runs" / "tiny-cpu" / "lightning_logs"  # the default logger (the demo's run writes there)
     before = sorted(logs.rglob("*"))
     proc = run_cli(
         "fit",

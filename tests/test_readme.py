@@ -53,7 +53,7 @@ def test_make_demo_commands(demo_workspace):
     # configs/demo/listen.yaml: the demo shows samples beside the real clips and the codebook chart.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = {p.parent for p in (workspace / "runs" / "tiny-cpu" / "tensorboard").rglob("events.out.tfevents.*")}
+    (events,) = {p.parent for p in (workspace / "runs" / "tiny-cpu" / "lightning_logs").rglob("events.out.tfevents.*")}
     acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
     acc.Reload()
     tags = acc.Tags()

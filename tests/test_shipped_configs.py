@@ -70,8 +70,6 @@ def overrides(config: Path, workdir: Path, tiny_dir: Path, run: Path) -> list:
         workdir / "cache",
         "--trainer.default_root_dir",
         run,
-        "--trainer.logger.init_args.save_dir",
-        run,
     ]
     if (_raw(config).get("trainer") or {}).get("val_check_interval"):  # a step interval: validate at the last step
         args += ["--trainer.val_check_interval", STEPS]

@@ -35,8 +35,6 @@ FIT = [
     "{work}/cache",
     "--trainer.default_root_dir",
     "{work}/run",
-    "--trainer.logger.init_args.save_dir",
-    "{work}/run",
 ]
 NO_PRETRAINED = (
     "pretrained directory '{work}/nope' does not exist: give a Qwen3-TTS 12 Hz directory, a hub id "

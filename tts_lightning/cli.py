@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from tts_lightning.callbacks.last_step_checkpoint import LastStepCheckpoint
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
@@ -346,13 +345,13 @@ class TTSLightningCLI(LightningCLI):
 
 
 def trainer_defaults() -> dict[str, Any]:
-    """The default logger (a config's ``trainer.logger`` replaces it) and callbacks; and
-    ``use_distributed_sampler: False``, since `SpeakerClipsDataModule` deals its length-bucketed
-    batches to the ranks itself (it refuses a run of several processes with the flag on)."""
+    """The default callbacks; and ``use_distributed_sampler: False``, since `SpeakerClipsDataModule`
+    deals its length-bucketed batches to the ranks itself (it refuses a run of several processes
+    with the flag on). No logger here: Lightning's default writes TensorBoard logs into
+    ``<default_root_dir>/lightning_logs``, so they follow the run's folder like its checkpoints."""
     return {
         "default_root_dir": "runs",
         "use_distributed_sampler": False,
-        "logger": lazy_instance(TensorBoardLogger, save_dir="runs", name="qwen3-tts"),
         "callbacks": [
             lazy_instance(LearningRateMonitor, logging_interval="step"),
             lazy_instance(StepProgressBar),  # "step 12/60" when max_steps bounds the run

@@ -197,8 +197,6 @@ def test_validate_with_samples_from_a_full_fsdp2_checkpoint(run_cli, fsdp2_run, 
     run_cli(
         "validate",
         *run_args(workdir, tiny_dir, "validate"),
-        "--trainer.logger.init_args.save_dir",
-        workdir / "validate",
         "--ckpt_path",
         ckpt,
         "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback",

@@ -38,8 +38,6 @@ def _args(tiny_dir, *extra):
         150,
         "--trainer.default_root_dir",
         "run",
-        "--trainer.logger.init_args.save_dir",
-        "run",
         "--trainer.val_check_interval",
         1,
         "--checkpoint.save_top_k",

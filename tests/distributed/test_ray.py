@@ -47,8 +47,6 @@ def ray_fit(run_cli, workdir, tiny_dir, run, *extra, callbacks=(), config=CONFIG
         *data_args(workdir, tiny_dir),
         "--trainer.default_root_dir",
         workdir / run,
-        "--trainer.logger.init_args.save_dir",
-        workdir / run,
         "--trainer.max_steps",
         MAX_STEPS,
         "--trainer.val_check_interval",

@@ -38,8 +38,6 @@ def fit_args(config: Path, workdir: Path, tiny_dir: Path, run: str, *extra) -> l
         *data_args(workdir, tiny_dir),
         "--trainer.default_root_dir",
         workdir / run,
-        "--trainer.logger.init_args.save_dir",
-        workdir / run,
         *extra,
     ]
 
