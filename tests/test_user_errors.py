@@ -106,6 +106,7 @@ CASES = [
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes", "--overwrite"], "{work}/notes is not a model folder (it holds keep.txt): --overwrite replaces only an earlier export; choose a new folder for --out"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{tiny}", "--overwrite"], "{tiny} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/text.ckpt/voice"], "{work}/text.ckpt/voice: {work}/text.ckpt is a file, not a folder; choose another --out"),
+    ("plan", ["--config", "{work}/broken.yaml", "--gpu-memory", "16"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
     ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
@@ -248,6 +249,18 @@ def test_a_parse_error_is_one_message_not_the_usage_of_every_option(work, tiny_d
     assert capsys.readouterr().err == (
         "tts-lightning fit: error: Parser key \"model.learning_rate\": Expected a <class 'float'>. Got value: fast\n"
         "(`tts-lightning fit --help` lists every option)\n"
+    )
+
+
+def test_bad_yaml_in_a_config_names_the_file(work, tiny_dir, trapped_trainer, capsys):
+    """jsonargparse names a YAML syntax error's place "<unicode string>": the file, line and column instead."""
+    args = _fill([*FIT, "--config", "{work}/broken.yaml"], {"work": work, "tiny": tiny_dir})
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", *args])
+    assert exit_.value.code == USAGE
+    assert capsys.readouterr().err == (
+        f"tts-lightning fit: error: config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values "
+        "are not allowed here\n(`tts-lightning fit --help` lists every option)\n"
     )
 
 

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Ri
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from tts_lightning.callbacks.last_step_checkpoint import LastStepCheckpoint
+from tts_lightning.config_yaml import load_yaml_config
 from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.distributed.atomic import remove_half_written
 from tts_lightning.errors import ConfigError
@@ -50,6 +51,14 @@ class CommandLineParser(LightningArgumentParser):
         command = f"tts-lightning {name}" if name in ("fit", "validate", "test", "predict") else "tts-lightning"
         sys.stderr.write(f"{command}: error: {' '.join(message.split())}\n(`{command} --help` lists every option)\n")
         self.exit(2)
+
+    def parse_path(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        """A ``--config`` file, read first by `load_yaml_config` so that bad YAML names the file."""
+        try:
+            load_yaml_config(os.fspath(path))
+        except ConfigError as exc:
+            raise TypeError(str(exc)) from None
+        return super().parse_path(path, *args, **kwargs)
 
 
 class StepProgressBar(RichProgressBar):

@@ -25,22 +25,11 @@ DATA_CLASS = "tts_lightning.data.datamodule.SpeakerClipsDataModule"
 def data_section(config_path: str | Path) -> dict[str, Any]:
     """The ``data:`` section of a LightningCLI YAML (its ``init_args`` when it has a class path);
     a missing file, bad YAML or a section of another class is a `ConfigError` naming the file."""
-    import yaml
-
+    from tts_lightning.config_yaml import load_yaml_config
     from tts_lightning.errors import ConfigError
 
     path = Path(config_path)
-    if not path.is_file():
-        raise ConfigError(f"config {path} does not exist")
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
-        raise ConfigError(f"config {path} is not valid YAML{where}: {problem}") from None
+    config = load_yaml_config(path) or {}
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: expected a YAML mapping at the top level")
     data = config.get("data")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from tts_lightning.cli import TTSLightningCLI, cli_main
+from tts_lightning.config_yaml import load_yaml_config
 from tts_lightning.distributed.memory.plan import MemoryPlan, plan_memory
 from tts_lightning.model.parameters import DEFAULT_FREEZE
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
@@ -40,7 +41,9 @@ class _ParseOnlyCLI(TTSLightningCLI):
 
 def parse_fit_config(config_yaml_path: str | os.PathLike, *overrides: str) -> Any:
     """The config namespace `tts-lightning fit --config PATH OVERRIDES...` would instantiate.
-    ``seed_everything`` is not applied (parsing must not reseed the caller's generators)."""
+    ``seed_everything`` is not applied (parsing must not reseed the caller's generators). A
+    missing or bad YAML file is a `ConfigError` naming it."""
+    load_yaml_config(config_yaml_path)
     with warnings.catch_warnings():
         # The arguments are given on purpose (the caller's own command line is not `fit`'s).
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
