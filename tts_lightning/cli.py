@@ -74,6 +74,7 @@ class StepProgressBar(RichProgressBar):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._shown: dict[str, float] = {}
+        self._stepped_at = 0
 
     def _read_shown(self, trainer) -> None:
         if self.is_disabled:
@@ -116,9 +117,18 @@ class StepProgressBar(RichProgressBar):
             self._show_steps(trainer)
             self.refresh()
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._stepped_at = trainer.global_step  # a resumed run's start is no new step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-            self._read_shown(trainer)
+        # Read the shown loss back once per logged optimizer step, where Lightning logs it: not on
+        # the micro-batches that accumulate gradients (the step count has not moved there).
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        if step != self._stepped_at:
+            self._stepped_at = step
+            if every and step % every == 0:
+                self._read_shown(trainer)
         if not self._by_steps():
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.is_disabled:

@@ -1,6 +1,7 @@
 """Run by tests/model/test_step_host_reads.py: a fit with 2 FSDP ranks (started side by side by the
 test) that records each training step's host reads (`tests/host_reads.py`) and writes them to
-``<out>/rank<N>.json``."""
+``<out>/rank<N>.json``. ``fsdp``: FSDP1 at 32-true; ``fsdp2``: FSDP2 at bf16-mixed (the 1-GPU
+FSDP2 config's strategy and precision)."""
 
 import json
 import sys
@@ -15,9 +16,13 @@ from host_reads import HostReads  # noqa: E402
 from tts_lightning import Qwen3TTSModule, SpeakerClipsDataModule  # noqa: E402
 from tts_lightning.cli import StepProgressBar  # noqa: E402
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy  # noqa: E402
+from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy  # noqa: E402
+
+STRATEGIES = {"fsdp": (Qwen3TTSFSDPStrategy, "32-true"), "fsdp2": (Qwen3TTSFSDP2Strategy, "bf16-mixed")}
 
 
-def main(pretrained: str, manifest: str, cache: str, out: str, log_every: str) -> None:
+def main(pretrained: str, manifest: str, cache: str, out: str, log_every: str, strategy: str) -> None:
+    strategy_class, precision = STRATEGIES[strategy]
     data = SpeakerClipsDataModule(
         pretrained, manifest, val_fraction=0.15, cache_dir=cache, seed=0, max_frames_per_batch=150, num_workers=1
     )
@@ -25,8 +30,8 @@ def main(pretrained: str, manifest: str, cache: str, out: str, log_every: str) -
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=Qwen3TTSFSDPStrategy(),
-        precision="32-true",
+        strategy=strategy_class(),
+        precision=precision,
         max_steps=2 * int(log_every),
         log_every_n_steps=int(log_every),
         gradient_clip_val=1.0,  # by the norm over both ranks' shards (Qwen3TTSFSDPPrecision)
@@ -47,4 +52,4 @@ def main(pretrained: str, manifest: str, cache: str, out: str, log_every: str) -
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

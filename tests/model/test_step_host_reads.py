@@ -22,7 +22,9 @@ SIGNALS_AGREED = " result"  # tts_lightning/distributed/scheduler_signals.py
 
 def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, tmp_path):
     """A real single-process fit with the shipped defaults (logger, learning-rate monitor, progress
-    bar, gradient clipping by norm): zero scalar reads and host copies on the steps that do not log."""
+    bar, gradient clipping by norm) and, as the 1-GPU configs, gradients accumulated over micro-batches:
+    zero scalar reads and host copies on the micro-batches that do not log (only a logged step's
+    last one does)."""
     data = make_datamodule(num_workers=1)  # the collate runs in a worker, as on GPU runs
     reads = HostReads()
     trainer = L.Trainer(
@@ -30,6 +32,7 @@ def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, t
         devices=1,
         max_steps=2 * LOG_EVERY,
         log_every_n_steps=LOG_EVERY,
+        accumulate_grad_batches=2,
         gradient_clip_val=1.0,
         logger=CSVLogger(tmp_path),
         callbacks=[reads, LearningRateMonitor(logging_interval="step"), StepProgressBar()],
@@ -41,8 +44,11 @@ def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, t
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names)
     trainer.fit(module, datamodule=data)
     print(*reads.steps, sep="\n")
-    assert [r.step for r in reads.steps] == list(range(1, 2 * LOG_EVERY + 1))
-    quiet = [r for r in reads.steps if r.step % LOG_EVERY]
+    assert sorted({r.step for r in reads.steps}) == list(range(1, 2 * LOG_EVERY + 1))
+    assert len(reads.steps) > 2 * LOG_EVERY  # micro-batches (an epoch's last step may have one)
+    last_of_step = {r.step: r for r in reads.steps}  # the micro-batch that steps the optimizer
+    logging = [r for step, r in last_of_step.items() if step % LOG_EVERY == 0]
+    quiet = [r for r in reads.steps if not any(r is s for s in logging)]
     # A padded batch reads nothing; a batch with nothing padded leaves transformers one read: whether
     # the 2D attention mask pads anything, asked once per talker forward (docs/architecture.md,
     # "Host reads in a training step").
@@ -55,17 +61,18 @@ def test_training_steps_read_back_only_when_logging(tiny_dir, make_datamodule, t
     logged = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
     for name in ("train/loss_step", "train/loss_epoch", "train/acc_codebook_0_step", "train/acc_codebook_15_epoch"):
         assert name in logged, logged  # the names TensorBoard readers and the tests know
-    logging = [r for r in reads.steps if r.step % LOG_EVERY == 0]
     assert all(r.syncs > 1 for r in logging), logging  # the counter sees the logged values read back
 
 
 @pytest.mark.slow
-def test_fsdp_training_steps_read_back_only_when_logging(tiny_dir, demo_data, run_script, tmp_path):
-    """The same with 2 real FSDP processes (gloo): the loss all-reduce for logging, the speaker
-    table's collectives and clipping by the norm over both ranks' shards read nothing back."""
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_fsdp_training_steps_read_back_only_when_logging(strategy, tiny_dir, demo_data, run_script, tmp_path):
+    """The same with 2 real FSDP processes (gloo), FSDP1 at 32-true and FSDP2 at bf16-mixed: the loss
+    all-reduce for logging, the speaker table's collectives and clipping by the norm over both
+    ranks' shards read nothing back."""
     _, manifest, cache = demo_data
     worker = Path(__file__).parents[1] / "distributed" / "host_reads_worker.py"
-    run_script(worker, tiny_dir, manifest, cache, tmp_path, LOG_EVERY, timeout=300, cwd=tmp_path, ranks=2)
+    run_script(worker, tiny_dir, manifest, cache, tmp_path, LOG_EVERY, strategy, timeout=300, cwd=tmp_path, ranks=2)
     for rank in (0, 1):
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [s["step"] for s in steps] == list(range(1, 2 * LOG_EVERY + 1)), steps
