@@ -2,6 +2,7 @@
 the activation formula against saved tensors, and the `plan` command."""
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,25 @@ def test_no_shard_does_not_fit_and_advice_names_full_shard():
     plan = plan_memory("1.7b", **{**BASE, "sharding": "NO_SHARD"})
     assert not plan.fits
     assert any("FULL_SHARD" in a and a.endswith("(fits)") for a in plan.advice)
+
+
+def test_advice_names_a_leaner_optimizer_before_more_gpus_or_offload():
+    """1.7B on one 16 GB card with the text embedding frozen: 8-bit moments, then bf16 weights with
+    stochastic rounding (switching a 32-true run to bf16-mixed, which they need), and no more."""
+    one_card = {**BASE, "gpus": 1, "freeze": ["speaker_encoder", TEXT_EMBEDDING]}
+    plan = plan_memory("1.7b", **one_card)
+    assert [a.split(" (")[0] for a in plan.advice] == [
+        "use model.optimizer adamw8bit",
+        "use model.optimizer bf16_sr_adamw8bit",
+    ], plan.advice
+    assert plan.advice[-1].endswith("(fits)") and not plan.advice[0].endswith("(fits)")
+    lean = plan_memory("1.7b", **{**one_card, "optimizer": "bf16_sr_adamw8bit"})
+    assert lean.fits and plan.advice[-1].endswith(f"-> {lean.total / 2**30:.1f} GiB per GPU (fits)")
+    fp32 = plan_memory("1.7b", **{**one_card, "precision": "32-true"})
+    assert "use model.optimizer bf16_sr_adamw8bit and trainer.precision bf16-mixed (" in fp32.advice[-1]
+    # LoRA trains adapters only: their optimizer state is not what fills the card.
+    lora = plan_memory("1.7b", **{**one_card, "gpu_memory_gb": 4, "adapter": {"rank": 16}})
+    assert not any("model.optimizer" in a for a in lora.advice), lora.advice
 
 
 def test_freezing_text_embedding_and_cpu_offload():
@@ -578,3 +598,32 @@ def test_the_samples_asr_model_is_planned(tmp_path):
     path = "--trainer.callbacks.init_args.asr"
     read = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16, overrides=[path, str(tmp_path)])
     assert read.asr_model == saved
+
+
+def _readme_planner_rows() -> list[tuple[str, str]]:
+    """The rows of the README's planner table: (the row, as written; its settings)."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Will it fit?") : readme.index("Estimates, not measured")]
+    return [(row, row.split("|")[3]) for row in table.splitlines() if re.match(r"\| (1\.7B|0\.6B) \|", row)]
+
+
+@pytest.mark.parametrize("row", [row for row, _ in _readme_planner_rows()])
+def test_the_readmes_planner_table_is_what_the_planner_says(row):
+    """Each row of the README's table, planned again from its settings: the same GiB and verdict."""
+    model, gpus_memory, settings, per_gpu, verdict = [cell.strip() for cell in row.strip("|").split("|")]
+    gpus, memory = (int(x) for x in gpus_memory.split(" x "))
+    kwargs = {**BASE, "gpus": gpus, "gpu_memory_gb": memory}
+    if "NO_SHARD" in settings:
+        kwargs["sharding"] = "NO_SHARD"
+    if "text_embedding` frozen" in settings or "text embedding frozen" in settings:
+        kwargs["freeze"] = ["speaker_encoder", TEXT_EMBEDDING]
+    if "CPU offload" in settings:
+        kwargs["cpu_offload"] = True
+    if positions := re.search(r"(\d+) positions", settings):
+        kwargs["micro_batch_frames"] = int(positions.group(1))
+    if optimizer := re.search(r"`(adamw8bit|adamw4bit|bf16_sr|bf16_sr_adamw8bit)`", settings):
+        kwargs["optimizer"] = optimizer.group(1)
+    plan = plan_memory(model.lower(), **kwargs)
+    assert (f"{plan.total / GiB:.1f}", "fits" if plan.fits else "does not fit") == (per_gpu, verdict)
+    if "host RAM" in settings:
+        assert f"({plan.host_memory / GiB:.1f} GiB host RAM)" in settings
