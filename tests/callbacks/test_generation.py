@@ -91,13 +91,25 @@ def test_weights_dtype_not_module_dtype(tiny, monkeypatch):
     assert codes.shape[1] == 16 and codes.shape[0] >= 2
 
 
-def test_decode_codes_gives_24khz_float32(tiny):
+def test_decode_codes_gives_24khz_float32_one_row_at_a_time(tiny):
+    """Each row is decoded alone (a sampling round's speakers x texts would otherwise hold activations
+    for all rows, padded to the longest): the tokenizer sees one row per call, as many calls as rows."""
     info, model, tokenizer, speaker = tiny
     (codes,) = generate_codes(model, [tokenize_text(tokenizer, "Hello.")], speaker, max_new_tokens=6, seed=0)
     empty = torch.zeros(0, 16, dtype=torch.long)
-    wav, nothing = decode_codes(load_speech_tokenizer(info), [codes, empty])
+    speech_tokenizer = load_speech_tokenizer(info)
+    batches = []
+    decode = speech_tokenizer.decode
+
+    def recorded(rows):
+        batches.append([r["audio_codes"].shape[0] for r in rows])
+        return decode(rows)
+
+    speech_tokenizer.decode = recorded
+    wav, nothing, shorter = decode_codes(speech_tokenizer, [codes, empty, codes[:3]])
     assert wav.dtype == np.float32 and wav.shape == (codes.shape[0] * 1920,) and np.abs(wav).max() > 0
-    assert nothing.shape == (0,)
+    assert nothing.shape == (0,) and shorter.shape == (3 * 1920,)
+    assert batches == [[codes.shape[0]], [3]]
 
 
 def test_xvector_streaming_layout_generates_as_generate_voice_clone(tiny):

@@ -231,18 +231,22 @@ def decode_codes(
 ) -> list[np.ndarray]:
     """Waveforms (float32, 24 kHz) for codes (T, G) with the 12 Hz speech tokenizer; an empty
     code sequence gives an empty waveform. ``prefixes`` (the ICL reference codes, per row) are decoded
-    in front and cut off again, as ``generate_voice_clone`` does."""
+    in front and cut off again, as ``generate_voice_clone`` does.
+
+    One row at a time: the tokenizer pads a batch to its longest row and splits only along time,
+    so decoding every row at once (speakers x texts of a sampling round) holds activations growing
+    with the rows; one row's stay bounded whatever their number."""
     wavs: list[np.ndarray] = [np.zeros(0, dtype=np.float32) for _ in codes_list]
-    keep = [i for i, c in enumerate(codes_list) if c.shape[0] > 0]
-    full = [c if prefixes is None else torch.cat([prefixes[i].to(c), c]) for i, c in enumerate(codes_list)]
-    if keep:
-        decoded, sr = speech_tokenizer.decode([{"audio_codes": full[i]} for i in keep])
+    for i, codes in enumerate(codes_list):
+        if codes.shape[0] == 0:
+            continue
+        full = codes if prefixes is None else torch.cat([prefixes[i].to(codes), codes])
+        (wav,), sr = speech_tokenizer.decode([{"audio_codes": full}])
         if int(sr) != SAMPLE_RATE:
             raise ValueError(f"speech tokenizer decodes at {sr} Hz, expected {SAMPLE_RATE}")
-        for i, wav in zip(keep, decoded):
-            wav = np.asarray(wav, dtype=np.float32).reshape(-1)
-            cut = 0 if prefixes is None else int(prefixes[i].shape[0] / max(full[i].shape[0], 1) * wav.shape[0])
-            wavs[i] = wav[cut:]
+        wav = np.asarray(wav, dtype=np.float32).reshape(-1)
+        cut = 0 if prefixes is None else int(prefixes[i].shape[0] / max(full.shape[0], 1) * wav.shape[0])
+        wavs[i] = wav[cut:]
     return wavs
 
 
