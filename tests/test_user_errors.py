@@ -113,6 +113,7 @@ CASES = [
     pytest.param("ray-fit", [*FIT, "--trainer.strategy", "ddp"], "ray-fit trains with FSDP1 or FSDP2; trainer.strategy='ddp' is not supported (use auto or fsdp (FSDP1), tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy (FSDP1) or tts_lightning.distributed.fsdp2.Qwen3TTSFSDP2Strategy (FSDP2))", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)", marks=needs_ray),
+    pytest.param("ray-fit", [*FIT, "--trainer.accelerator", "gpu"], "trainer.accelerator is gpu, but without --ray.use_gpu Ray starts CPU workers: add --ray.use_gpu, or --trainer.accelerator cpu to train on CPU", marks=needs_ray),
     pytest.param("ray-fit", [*FIT, "--data.speakers", "[carol]"], "speaker(s) 'carol' are not named by {work}/demo/train.jsonl (its speakers: alice, bob)", marks=needs_ray),
 ]  # fmt: skip
 

@@ -243,12 +243,19 @@ def worker_cpus(cluster: dict[str, float], use_gpu: bool, cpu_offload: bool) -> 
     return float(max(1, int(cluster.get("CPU", 1) // gpus)))
 
 
-def prepare_on_driver(args: list[str], ckpt_path: str | None = None) -> TTSLightningCLI:
+def prepare_on_driver(args: list[str], ckpt_path: str | None = None, *, use_gpu: bool = False) -> TTSLightningCLI:
     """Parse and check the config as ``fit`` would (a new run into an earlier run's checkpoint
     folder refused, here: the workers build their trainers without `fit`'s checks), and prepare
     the data once, here."""
     cli = build_cli(args, None)
     ray_strategy(cli.config["trainer"].get("strategy"))  # refuse a strategy other than FSDP1 / FSDP2 early
+    accelerator = str(cli.config["trainer"].get("accelerator") or "auto")
+    if accelerator in ("gpu", "cuda") and not use_gpu:
+        # Ray, not the config, places the workers: a GPU config would train on CPU workers.
+        raise ConfigError(
+            f"trainer.accelerator is {accelerator}, but without --ray.use_gpu Ray starts CPU workers: add "
+            "--ray.use_gpu, or --trainer.accelerator cpu to train on CPU"
+        )
     if ckpt_path is None:
         cli.refuse_an_earlier_runs_folder()
     cli.datamodule.prepare()
@@ -259,7 +266,7 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
     """Prepare the data on the driver, then train on Ray. Returns Ray's `Result`; raises
     `RayFitError` when the workers fail more than ``max_failures`` times. ``args`` are LightningCLI
     arguments without a subcommand (``--config FILE --trainer.max_steps 10 ...``)."""
-    cli = prepare_on_driver(args, ckpt_path)
+    cli = prepare_on_driver(args, ckpt_path, use_gpu=options.use_gpu)
     root = cli.config["trainer"].get("default_root_dir") or "runs"
     storage_path = options.storage_path or str(Path(root, "ray").expanduser().absolute())
     if "://" not in storage_path:
