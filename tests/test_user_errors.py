@@ -72,6 +72,7 @@ CASES = [
     ("fit", [*FIT, "--ckpt_path", "{work}/alice.ckpt"], "ckpt_path {work}/alice.ckpt was trained on the speakers [alice], this run has [alice, bob]: resume with its speakers (--data.speakers '[alice]' and its data), or start a new run"),
     ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"),
+    ("fit", [*FIT, "--trainer.default_root_dir", "{work}/branched", "--ckpt_path", "{work}/step5.ckpt"], "{work}/branched/checkpoints holds checkpoints of later steps (last.ckpt: step 12) than {work}/step5.ckpt (step 5): continue the later ones with --ckpt_path last, or resume this one in another --trainer.default_root_dir"),
     ("fit", [*FIT, "--ckpt_path", "{work}/lora-sharded"], "ckpt_path {work}/lora-sharded was trained with a LoRA adapter (model.adapter), this run is without a LoRA adapter: use the config it was trained with, or start a new run"),
     ("fit", [*FIT, "--data.cache_dir", "{work}/text.ckpt/cache"], "data.cache_dir {work}/text.ckpt/cache: {work}/text.ckpt is a file; give a folder"),
     ("validate", [*FIT, "--ckpt_path", "last"], "ckpt_path last: no checkpoint in {work}/run/checkpoints: give a checkpoint's path"),
@@ -151,6 +152,11 @@ def work(tmp_path_factory, tiny_dir) -> Path:
     )
     (root / "earlier" / "checkpoints").mkdir(parents=True)  # a run's folder: a new fit there is refused
     shutil.copy(root / "alice.ckpt", root / "earlier" / "checkpoints" / "last.ckpt")
+    # A run's folder at step 12 and a checkpoint of its step 5: resuming that one there is refused.
+    both = {"state_dict": state["state_dict"], "hyper_parameters": {"speakers": ["alice", "bob"]}}
+    (root / "branched" / "checkpoints").mkdir(parents=True)
+    torch.save({**both, "global_step": 12}, root / "branched" / "checkpoints" / "last.ckpt")
+    torch.save({**both, "global_step": 5}, root / "step5.ckpt")
     (root / "notes").mkdir()  # a folder of the user's: no export may replace it
     (root / "notes" / "keep.txt").write_text("keep\n")
     (root / "badjson").mkdir()

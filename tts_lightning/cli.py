@@ -22,7 +22,14 @@ from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.distributed.atomic import remove_half_written
 from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
-from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, best_checkpoint, check_checkpoint, newest_checkpoint
+from tts_lightning.resume_path import (
+    LAST,
+    REQUEUE_PREFIX,
+    best_checkpoint,
+    check_checkpoint,
+    checkpoint_step,
+    newest_checkpoint,
+)
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
@@ -202,6 +209,8 @@ class TTSLightningCLI(LightningCLI):
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
         check_checkpoint(path, self._speakers(), self._adapter())
+        if self.subcommand == "fit":
+            self.refuse_a_second_branch(path)
 
     def refuse_an_earlier_runs_folder(self) -> None:
         """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
@@ -220,6 +229,22 @@ class TTSLightningCLI(LightningCLI):
             raise ConfigError(
                 f"{dirpath} holds the checkpoints of an earlier run (newest: {earlier.name}): continue it with "
                 "--ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"
+            )
+
+    def refuse_a_second_branch(self, path: str | Path) -> None:
+        """A fit resumed from an earlier step than its checkpoint folder's newest: refused, or the
+        folder would hold two runs' steps (`--ckpt_path last` takes the highest step, the later
+        steps that this resume leaves behind)."""
+        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        newest = newest_checkpoint(dirpath) if dirpath else None
+        if newest is None or Path(newest).resolve() == Path(path).resolve():
+            return
+        step, later = checkpoint_step(path), checkpoint_step(newest)
+        if later > step:
+            raise ConfigError(
+                f"{dirpath} holds checkpoints of later steps ({newest.name}: step {later}) than {path} (step {step}): "
+                "continue the later ones with --ckpt_path last, or resume this one in another "
+                "--trainer.default_root_dir"
             )
 
     def _ranks_read_their_own_storage(self) -> bool:

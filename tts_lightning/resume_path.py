@@ -1,11 +1,13 @@
 """What ``--ckpt_path`` names, checked and resolved before a run starts.
 
-- ``last`` is the newest complete checkpoint of the run's checkpoint folder, the one written last
-  (Lightning's rule for `last*.ckpt`): `last.ckpt` normally. `ModelCheckpoint` writes a step's
-  top-k checkpoint before its `last.ckpt`, so a run stopped between the two (or during its first
-  `last.ckpt`) has a newer top-k checkpoint than `last.ckpt`, or none; Lightning then resumed from
-  the older one, or from step 0 with a warning. By the time written, not the step: a folder may
-  also hold an earlier run's checkpoints of higher steps. A checkpoint that a save set aside
+- ``last`` is the complete checkpoint of the highest step in the run's checkpoint folder
+  (`last.ckpt` among those of that step, else the one written last): `last.ckpt` normally.
+  `ModelCheckpoint` writes a step's top-k checkpoint before its `last.ckpt`, so a run stopped
+  between the two (or during its first `last.ckpt`) has a top-k checkpoint of a later step than
+  `last.ckpt`, or none; Lightning then resumed from the older one, or from step 0 with a warning.
+  By the step, not by the time written as Lightning picks among `last*.ckpt` files: a copied
+  folder's files have the times of the copy. A folder holds one run's steps: `fit` refuses a new run, or a
+  resume from an earlier step, into a folder with later ones. A checkpoint that a save set aside
   (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
   is missing. Half-written saves (``.*.partial``) never do (a fit's start removes them). SLURM's
   auto-requeue checkpoints (``hpc_ckpt_<n>.ckpt`` in the run's folder) count too, and a SLURM job
@@ -33,9 +35,10 @@ REQUEUE_PREFIX = "hpc_ckpt_"
 
 
 def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None = None) -> Path | None:
-    """The complete checkpoint written last (``last.ckpt`` among equals) of ``folder`` and of the
-    SLURM auto-requeue checkpoints (`REQUEUE_PREFIX`) in ``requeued_in`` (the run's
-    ``default_root_dir``, where Lightning writes them); None when there is none."""
+    """The complete checkpoint of the highest step (``last.ckpt``, else the one written last, among
+    equals) of ``folder`` and of the SLURM auto-requeue checkpoints (`REQUEUE_PREFIX`) in
+    ``requeued_in`` (the run's ``default_root_dir``, where Lightning writes them); None when there
+    is none."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 
     candidates = []
@@ -47,18 +50,26 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
             candidates.append(set_aside)  # a save stopped between its two renames
     if requeued_in is not None and Path(requeued_in).is_dir():
         candidates += [p for p in Path(requeued_in).glob(f"{REQUEUE_PREFIX}*.ckpt") if p not in candidates]
-    written = {}
+    order = {}
     for path in candidates:
         try:
-            CheckpointReader(path)
+            step = CheckpointReader(path).global_step
         except CheckpointError:
             continue  # not readable as a checkpoint: never resumed from
         # A sharded checkpoint's meta.pt is written with its shards (a folder's own time changes
         # with its entries only).
-        written[path] = (path / "meta.pt" if path.is_dir() else path).stat().st_mtime_ns
-    if not written:
+        written = (path / "meta.pt" if path.is_dir() else path).stat().st_mtime_ns
+        order[path] = (step, path.name == LAST, written)
+    if not order:
         return None
-    return max(written, key=lambda p: (written[p], p.name == LAST))
+    return max(order, key=order.__getitem__)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer steps a (complete) checkpoint was saved after."""
+    from tts_lightning.model.checkpoint import CheckpointReader
+
+    return CheckpointReader(path).global_step
 
 
 def best_checkpoint(folder: str | Path | None) -> Path | None:

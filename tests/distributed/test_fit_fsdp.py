@@ -270,30 +270,31 @@ def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(w
 
 
 def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
-    """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: last.ckpt, else
-    the top-k one written last, else a set-aside last (a save stopped between its renames); never
-    a half-written or unreadable one, nor an older run's checkpoint of a higher step."""
+    """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: the highest step
+    (last.ckpt among its step's), whatever the files' times (a copied folder's are the copy's); else
+    a set-aside last (a save stopped between its renames), else the top-k one of the highest step;
+    never a half-written or unreadable one."""
     import os
 
     from tts_lightning.resume_path import newest_checkpoint
 
-    folder = shutil.copytree(fitted[0] / "checkpoints", tmp_path / "checkpoints")  # times kept
+    folder = shutil.copytree(fitted[0] / "checkpoints", tmp_path / "checkpoints")
     topk = {int(p.name[4:10]): p for p in folder.glob("step*.ckpt")}
     assert sorted(topk) == [EVERY, STEPS], topk
     (folder / "broken.ckpt").write_text("not a checkpoint\n")
     shutil.copytree(folder / "last.ckpt", folder / ".step000099-val_loss1.0000.ckpt.partial")
-    earlier = shutil.copytree(topk[STEPS], folder / "step009999-val_loss1.0000.ckpt")  # an earlier run's
-    os.utime(earlier / "meta.pt", ns=(0, 0))
-    assert newest_checkpoint(folder) == folder / "last.ckpt"  # written last, with the top-k one of its step
+    for written, path in enumerate([folder / "last.ckpt", topk[STEPS], topk[EVERY]]):  # copied in this order
+        os.utime(path / "meta.pt", ns=(written, written))
+    assert newest_checkpoint(folder) == folder / "last.ckpt"  # step STEPS, though written before the others
     (folder / "last.ckpt").rename(folder / ".last.ckpt.old")  # stopped between the renames of a save
+    os.utime(folder / ".last.ckpt.old" / "meta.pt")
     assert newest_checkpoint(folder) == folder / ".last.ckpt.old"
     shutil.rmtree(folder / ".last.ckpt.old")  # stopped while writing its first last.ckpt
-    assert newest_checkpoint(folder) == topk[STEPS]
+    assert newest_checkpoint(folder) == topk[STEPS]  # not the top-k one written last (step EVERY)
     shutil.rmtree(topk[STEPS])
-    assert newest_checkpoint(folder) == topk[EVERY]  # not the earlier run's step 9999
+    assert newest_checkpoint(folder) == topk[EVERY]
     # SLURM's auto-requeue checkpoints, in the run's folder, count too.
-    requeued = shutil.copytree(topk[EVERY], tmp_path / "hpc_ckpt_1.ckpt")
-    os.utime(requeued / "meta.pt")
+    requeued = shutil.copytree(fitted[0] / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_1.ckpt")
     assert newest_checkpoint(folder, requeued_in=tmp_path) == requeued
     assert newest_checkpoint(None, requeued_in=tmp_path) == requeued
     assert newest_checkpoint(tmp_path / "nope") is None
