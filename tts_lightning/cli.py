@@ -279,9 +279,10 @@ class TTSLightningCLI(LightningCLI):
 
     def _resolve_best(self) -> None:
         """``--ckpt_path best`` in `validate`, `test` or `predict`: the run's best checkpoint, as its
-        newest checkpoint records it (Lightning's ``best`` is the fit's in the same process only)."""
-        if self._ranks_read_their_own_storage():
-            return  # one rank refusing alone would leave the others waiting: Lightning's own check
+        newest checkpoint records it (Lightning's ``best`` is the fit's in the same process only).
+        Every rank resolves it, on its own storage where ranks are started apart (torchrun, SLURM,
+        the processes Lightning starts for ranks > 0): the same file where they share one, or
+        the same refusal."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         best = best_checkpoint(dirpath) if self.subcommand != "fit" else None
         if best is None:

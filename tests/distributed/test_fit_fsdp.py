@@ -307,24 +307,29 @@ def _pretrained_codec_head(tiny_dir):
 
 
 def test_validate_reports_the_logged_val_loss(fitted, workdir, tiny_dir, cli):
+    """`validate --ckpt_path best` on 2 ranks: each rank resolves the run's best checkpoint (Lightning
+    refused "best" where no fit ran in the process), and reports the val/loss logged when it was saved."""
     run_dir, _ = fitted
-    best = [c for c in run_dir.rglob("*.ckpt") if c.name != "last.ckpt"]
-    assert best
-    ckpt = best[0]
-    logged = float(re.search(r"val_loss(\d+\.\d+)", ckpt.name).group(1))
-    cli(
+    kept = {c: float(re.search(r"val_loss(\d+\.\d+)", c.name).group(1)) for c in run_dir.rglob("step*.ckpt")}
+    assert len(kept) > 1, kept
+    ckpt = min(kept, key=kept.__getitem__)  # the config's checkpoint monitors val/loss, lowest best
+    logged = kept[ckpt]
+    done = cli(
         "validate",
         "--config",
         TINY_CPU,
         *data_args(workdir, tiny_dir),
+        "--trainer.default_root_dir",
+        run_dir,
         "--trainer.logger",
         "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir",
         workdir / "validate",
         "--ckpt_path",
-        ckpt,
+        "best",
         cwd=workdir,
     )
+    assert f"ckpt_path best: {ckpt}" in done.stdout
     rows = list(csv.DictReader(open(next((workdir / "validate").rglob("metrics.csv")))))
     reported = float(next(r["val/loss"] for r in rows if r.get("val/loss")))
     assert abs(reported - logged) < 1e-4, (reported, logged)
