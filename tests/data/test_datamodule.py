@@ -5,6 +5,7 @@ import logging
 import random
 import re
 import shutil
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +70,21 @@ def test_split_leaves_every_speaker_a_training_clip():
         assert alone.content_hash not in split_validation([alone, *map(_clip, range(9))], 0.2, seed=seed)
     assert split_validation([_clip(0, "a"), _clip(1, "b")], 0.5, seed=0) == set()  # one clip each: no split
     assert len(split_validation([alone, *map(_clip, range(9))], 0.2, seed=0)) == 2  # the count kept
+
+
+def test_split_shares_the_validation_clips_among_the_speakers():
+    """Each speaker is validated on in proportion to its clips (the demo's 0.15 of 2 x 12 clips put
+    all 4 on alice before, none on bob); a speaker too small for a share may have none."""
+    two = [_clip(i, "alice") for i in range(12)] + [_clip(100 + i, "bob") for i in range(12)]
+    for seed in range(20):
+        chosen = split_validation(two, 0.15, seed=seed)
+        assert sorted(c.record.speaker for c in two if c.content_hash in chosen) == ["alice"] * 2 + ["bob"] * 2
+    three = [_clip(i, "a") for i in range(20)] + [_clip(100 + i, "b") for i in range(5)]
+    three += [_clip(200 + i, "c") for i in range(5)]
+    for seed in range(20):
+        chosen = split_validation(three, 0.1, seed=seed)
+        counts = Counter(c.record.speaker for c in three if c.content_hash in chosen)
+        assert counts["a"] == 2 and counts["b"] + counts["c"] == 1, counts  # 3 = 2 + one remainder
 
 
 @pytest.mark.parametrize(
@@ -333,7 +349,16 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     # The summary once: printed, not logged as well (in full, or as "data report unchanged").
     assert out.count("accepted 24 clips") == 1, out
     assert not [line for line in lines if "data report" in line or "accepted 24 clips" in line], lines
-    assert any(line.startswith("prepared 24 clips") for line in lines), lines
+    assert any(line.startswith("prepared 24 clips (22 train, 2 val)") for line in lines), lines  # 1 each
+    assert not [line for line in lines if "no validation clips" in line], lines
+    # 0.05 of 24 clips is 1: one speaker is not validated on, and the summary says so.
+    rank_zero_logger.addHandler(handler)
+    try:
+        assert prepare_command(["--config", str(config), "--val_fraction", "0.05"]) == 0
+    finally:
+        rank_zero_logger.removeHandler(handler)
+    (unvalidated,) = [line for line in lines if "no validation clips" in line]
+    assert re.fullmatch(r"no validation clips of (alice|bob) \(too few clips for their share\).*", unvalidated)
 
     # Flat flags, a flat data: section, and a failure.
     assert (

@@ -21,13 +21,17 @@ TEXT = "Good morning to you."
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory, tiny_dir, demo_data):
-    """A 3-step fine-tune of both demo speakers: its full checkpoint and its fp32 export."""
+    """A 3-step fine-tune of both demo speakers, one validation clip held out (so one speaker has
+    none): its full checkpoint and its fp32 export."""
+    import shutil
+
     from tts_lightning import SpeakerClipsDataModule
 
     root = tmp_path_factory.mktemp("evaluate")
-    _, manifest, cache = demo_data
+    _, manifest, shared = demo_data
+    cache = shutil.copytree(shared, root / "cache")  # the codes reused, the split its own
     data = SpeakerClipsDataModule(
-        str(tiny_dir), str(manifest), val_fraction=0.15, cache_dir=str(cache), seed=0, max_frames_per_batch=150
+        str(tiny_dir), str(manifest), val_fraction=0.05, cache_dir=str(cache), seed=0, max_frames_per_batch=150
     )
     L.seed_everything(0)
     module = Qwen3TTSModule(str(tiny_dir), speakers=data.speaker_names, learning_rate=1e-3)
@@ -81,12 +85,16 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated, tiny_d
     out, printed = evaluated
     result = json.loads((out / "evaluation.json").read_text())
     assert result["model_kind"] == "exported directory" and result["settings"]["alpha"] == 0.05
+    (validated,) = {
+        c["speaker"] for c in json.loads((cache / "prepared.json").read_text())["clips"] if c["split"] == "val"
+    }
+    (unvalidated,) = set(SPEAKERS) - {validated}
     assert sorted(result["speakers"]) == SPEAKERS
     for name in SPEAKERS:
         speaker = result["speakers"][name]
         assert speaker["texts"] == [TEXT]
-        # The demo split puts all 4 validation clips on alice: bob is scored on his other clips.
-        assert speaker["real_clips_held_out"] == (name == "alice")
+        # One validation clip, of one speaker: the other is scored on their other clips.
+        assert speaker["real_clips_held_out"] == (name == validated)
         assert speaker["reference_text"]  # the reference's transcript, for ICL
         assert 0.03 < speaker["seconds_per_character"] < 0.15  # the real clips' pace
         assert sorted(speaker["generations"]) == sorted(SYSTEMS)
@@ -115,7 +123,7 @@ def test_evaluate_exported_directory_and_checkpoint(finetuned, evaluated, tiny_d
     assert table in printed
     header = table.splitlines()[0]
     assert all(label in header for label in ("fine-tuned", "zero-shot x-vector", "zero-shot ICL", "verdict"))
-    assert "bob: no validation clips" in table
+    assert f"{unvalidated}: no validation clips" in table
 
     # The held-out speaker cloned (ICL) by the base model and by the fine-tuned weights in it.
     zero_shot = result["zero_shot"]

@@ -343,6 +343,12 @@ class DataPreparer:
             f"prepared {n_clips} clips ({n_clips - n_val} train, {n_val} val) of "
             f"{len(plan.speakers)} speaker(s) in {self.prepared_path}"
         )
+        unvalidated = sorted(set(plan.speakers) - {c.speaker for c in index.split("val")})
+        if n_val and unvalidated:
+            rank_zero_info(
+                f"no validation clips of {', '.join(unvalidated)} (too few clips for their share): val/loss "
+                "does not measure them; raise data.val_fraction, or give a data.val_manifest"
+            )
         return index
 
     def replay_texts(self) -> list[str]:

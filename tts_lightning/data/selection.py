@@ -32,24 +32,35 @@ class Plan:
 
 
 def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) -> set[str]:
-    """Content hashes of the validation clips: the ``round(val_fraction * n)`` clips (at least 1
-    when val_fraction > 0 and n >= 2, never all) with the smallest seeded hash, passing over a clip
-    that would leave its speaker without a training clip (so fewer, or none, when every speaker has
-    one clip). Depends only on the seed and the clips' contents and speakers, not on manifest order,
-    so it is stable across runs."""
+    """Content hashes of the validation clips: ``round(val_fraction * n)`` clips (at least 1 when
+    val_fraction > 0 and n >= 2, never all), shared among the speakers in proportion to their
+    clips (largest remainders), so that each speaker large enough for a share is validated on;
+    a speaker keeps at least one training clip (so fewer, or none, when every speaker has one
+    clip). Within a speaker, the clips with the smallest seeded hash. Depends only on the seed and
+    the clips' contents and speakers, not on manifest order, so it is stable across runs."""
     n = len(clips)
     if val_fraction <= 0 or n < 2:
         return set()
     n_val = min(n - 1, max(1, round(val_fraction * n)))
-    ranked = sorted(clips, key=lambda c: hashlib.sha256(f"{seed}:{c.content_hash}".encode()).hexdigest())
-    left = Counter(c.record.speaker for c in clips)  # training clips each speaker still has
+
+    def rank(key: str) -> str:
+        return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()
+
+    by_speaker: dict[str, list[AcceptedClip]] = {}
+    for clip in clips:
+        by_speaker.setdefault(clip.record.speaker, []).append(clip)
+    room = {s: len(own) - 1 for s, own in by_speaker.items()}  # each keeps a training clip
+    quota = {s: min(room[s], n_val * len(own) // n) for s, own in by_speaker.items()}
+    # The rest one by one, largest remainder first (ties in a seeded order of the names), while
+    # any speaker has room.
+    by_remainder = sorted(by_speaker, key=lambda s: (-(n_val * len(by_speaker[s]) % n), rank(s)))
+    while sum(quota.values()) < n_val and any(quota[s] < room[s] for s in by_speaker):
+        for speaker in by_remainder:
+            if quota[speaker] < room[speaker] and sum(quota.values()) < n_val:
+                quota[speaker] += 1
     chosen: set[str] = set()
-    for c in ranked:
-        if len(chosen) == n_val:
-            break
-        if left[c.record.speaker] > 1:
-            left[c.record.speaker] -= 1
-            chosen.add(c.content_hash)
+    for speaker, own in by_speaker.items():
+        chosen.update(c.content_hash for c in sorted(own, key=lambda c: rank(c.content_hash))[: quota[speaker]])
     return chosen
 
 
