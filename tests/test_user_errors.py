@@ -80,6 +80,7 @@ CASES = [
     ("validate", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     # synthesize: checked before the model is loaded
     ("synthesize", ["--model", "{work}/nope", "--text", "Hi.", "--out", "{work}/x.wav"], NO_PRETRAINED),
+    ("synthesize", ["--model", "{work}/alice.ckpt", "--text", "Hi.", "--out", "{work}/x.wav"], "{work}/alice.ckpt is a training checkpoint, not a model directory: export it first (tts-lightning export --ckpt {work}/alice.ckpt --out DIR) and give DIR"),
     ("synthesize", ["--model", "{tiny}", "--text", "Hi.", "--out", "{work}/x.wav"], "{tiny} is a base model: pass --ref-audio CLIP (a clip of the voice to clone), or give a custom_voice model (`tts-lightning export`) and --speaker"),
     ("synthesize", ["--model", "{tiny}", "--ref-audio", "{work}/nope.wav", "--text", "Hi.", "--out", "{work}/x.wav"], "--ref-audio {work}/nope.wav does not exist"),
     ("synthesize", ["--model", "{cv}", "--text", "Hi.", "--out", "{work}/x.wav"], "{cv} is a custom_voice model: pass --speaker, one of ['ryan', 'serena', 'vivian']"),
@@ -91,7 +92,7 @@ CASES = [
     pytest.param("synthesize", ["--model", "{cv}", "--speaker", "ryan", "--device", "cuda", "--text", "Hi.", "--out", "{work}/x.wav"], "--device cuda: CUDA is not available on this machine; use --device cpu", marks=no_gpu),
     # evaluate
     ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev", "--text-file", "{work}/nope.txt"], "--text-file {work}/nope.txt does not exist"),
-    ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev"], "no prepared data index at {work}/nope: run `tts-lightning prepare --config ...` for the run's data first, or pass its cache folder (data.cache_dir)"),
+    ("evaluate", ["--model", "{cv}", "--prepared", "{work}/nope", "--out", "{work}/ev"], "no prepared data index at {work}/nope: run `tts-lightning prepare --config ...` for the run's data first, or pass its cache folder (the run's data.cache_dir) with --prepared"),
     ("evaluate", ["--model", "{cv}", "--config", "{work}/nope.yaml", "--out", "{work}/ev"], "config {work}/nope.yaml does not exist"),
     ("evaluate", ["--model", "{cv}", "--config", "{work}/broken.yaml", "--out", "{work}/ev"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
     # prepare
@@ -103,6 +104,7 @@ CASES = [
     ("tiny-model", ["{work}/text.ckpt"], "{work}/text.ckpt is a file; choose a folder path for the tiny model"),
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
+    ("export", ["--ckpt", "{work}/branched/checkpoints", "--out", "{work}/voice"], "{work}/branched/checkpoints is a folder but not a sharded checkpoint (no .metadata file; it holds the checkpoints last.ckpt)"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes"], "{work}/notes already exists; choose a new folder, or replace that export with --overwrite"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes", "--overwrite"], "{work}/notes is not a model folder (it holds keep.txt): --overwrite replaces only an earlier export; choose a new folder for --out"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{tiny}", "--overwrite"], "{tiny} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder"),

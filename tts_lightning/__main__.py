@@ -16,6 +16,19 @@ from collections.abc import Callable
 from tts_lightning.errors import STOPPED_BY_CTRL_C, STOPPED_BY_SIGTERM, report_errors
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+SUMMARIES = {  # `tts-lightning --help`: each command in a line
+    "fit": "fine-tune with a YAML config (LightningCLI; --ckpt_path last resumes)",
+    "validate": "the validation loss of a checkpoint (--ckpt_path)",
+    "test": "the test loss of a checkpoint (--ckpt_path)",
+    "predict": "speak texts with a checkpoint (--ckpt_path)",
+    "tiny-model": "build the tiny random-weight Qwen3-TTS directory (demo, tests)",
+    "prepare": "check a dataset and cache its codec tokens and speaker embeddings",
+    "export": "a checkpoint -> a model directory the official qwen-tts loads",
+    "synthesize": "speak texts with an exported model",
+    "plan": "will it fit? GPU memory per phase, and what to change",
+    "ray-fit": "fit on a Ray cluster",
+    "evaluate": "did fine-tuning help? the exported model against zero-shot cloning",
+}
 
 
 def _tiny_model(argv: list[str]) -> int:
@@ -141,11 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         # stopped the others. An error found before they start is said once.
         return report_errors(argv[0], lightning)
     commands = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
-    print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
     if argv[:1] in (["-h"], ["--help"]):
+        lines = [f"  {name:<11} {summary}" for name, summary in SUMMARIES.items()]
+        print(
+            f"usage: tts-lightning {{{commands}}} ...", *lines, "`tts-lightning COMMAND --help`: its options", sep="\n"
+        )
         return 0
-    if argv:
-        print(f"tts-lightning: error: unknown command {argv[0]!r}", file=sys.stderr)
+    print(f"usage: tts-lightning {{{commands}}} ...", file=sys.stderr)
+    problem = f"unknown command {argv[0]!r}" if argv else "give a command (tts-lightning --help lists them)"
+    print(f"tts-lightning: error: {problem}", file=sys.stderr)
     return 2
 
 

@@ -193,8 +193,14 @@ class TTSLightningCLI(LightningCLI):
             return
         if str(path) == "hpc" or path is None:
             self._resolve_requeued(asked=path is not None)
-            if path is None and self.subcommand == "fit" and self.config_init["fit"].get("ckpt_path") is None:
+            unresolved = path is None and self.config_init[self.subcommand].get("ckpt_path") is None
+            if unresolved and self.subcommand == "fit":
                 self.refuse_an_earlier_runs_folder()
+            elif unresolved and self.trainer.is_global_zero:  # Lightning's choice, said: no error
+                print(
+                    f"{self.subcommand}: no --ckpt_path: the weights of data.pretrained, untrained "
+                    "(--ckpt_path last or best for the run's)"
+                )
             return
         if str(path) == "best":
             self._resolve_best()

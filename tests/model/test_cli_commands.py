@@ -60,6 +60,17 @@ def test_synthesize_usage_errors_before_the_model_loads(tmp_path, capsys, args, 
 def test_an_unknown_command_is_named(capsys):
     assert main(["fitt"]) == 2
     assert capsys.readouterr().err.endswith("tts-lightning: error: unknown command 'fitt'\n")
+    assert main([]) == 2
+    assert capsys.readouterr().err.endswith("tts-lightning: error: give a command (tts-lightning --help lists them)\n")
+
+
+def test_help_says_what_each_command_does(capsys):
+    from tts_lightning.__main__ import LIGHTNING_COMMANDS, TOOLS
+
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    described = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert described == [*LIGHTNING_COMMANDS, *TOOLS]  # each command, once, with its line
 
 
 @pytest.mark.parametrize(

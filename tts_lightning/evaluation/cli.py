@@ -108,5 +108,5 @@ def evaluate_command(argv: list[str]) -> int:
         held_out=args.held_out,
     )
     print(result["table"])
-    print(f"{args.out / 'evaluation.json'}\n{args.out / 'evaluation.md'}\n{args.out / 'audio'}")
+    print(*(args.out / name for name in ("evaluation.json", "evaluation.md", "evaluation.html", "audio")), sep="\n")
     return 0

@@ -50,7 +50,7 @@ def read_prepared(path: str | os.PathLike) -> tuple[Path, dict]:
     if not file.is_file():
         raise EvaluationError(
             f"no prepared data index at {file}: run `tts-lightning prepare --config ...` for the run's data "
-            "first, or pass its cache folder (data.cache_dir)"
+            "first, or pass its cache folder (the run's data.cache_dir) with --prepared"
         )
     try:
         index = json.loads(file.read_text(encoding="utf-8"))

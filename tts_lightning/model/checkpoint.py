@@ -79,7 +79,11 @@ class CheckpointReader:
         try:
             if self.sharded:
                 if not (path / ".metadata").is_file():
-                    raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
+                    held = sorted(p.name for p in path.iterdir() if p.suffix == ".ckpt" and not p.name.startswith("."))
+                    inside = f"; it holds the checkpoints {', '.join(held)}" if held else ""  # a run's folder
+                    raise CheckpointError(
+                        f"{path} is a folder but not a sharded checkpoint (no .metadata file{inside})"
+                    )
                 from torch.distributed.checkpoint import FileSystemReader
                 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -49,6 +49,11 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
     first use, `tts_lightning.model.tiny.default_tiny_dir`); anything else is taken as a hub id and
     downloaded (cached)."""
     path = Path(name_or_path).expanduser()
+    if (path / ".metadata").is_file() or (path.is_file() and path.suffix == ".ckpt"):
+        raise PretrainedError(
+            f"{path} is a training checkpoint, not a model directory: export it first "
+            f"(tts-lightning export --ckpt {path} --out DIR) and give DIR"
+        )
     if path.is_dir():
         return path.resolve()
     text = str(name_or_path)
