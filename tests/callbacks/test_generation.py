@@ -140,3 +140,28 @@ def test_xvector_streaming_layout_generates_as_generate_voice_clone(tiny):
     assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(ours, default))  # another layout
     with pytest.raises(ValueError, match="icl layout needs one reference per row"):
         generate_codes(model, text_ids, speaker.expand(2, -1), max_new_tokens=4, layout=SequenceLayout("icl"))
+
+
+def test_rows_beyond_a_generate_call_go_to_the_next_call(tiny, monkeypatch):
+    """`GENERATION_ROWS` rows per ``generate`` call (the KV cache grows with the rows): three rows at
+    two per call are the first two rows' call, seeded as asked, then the third's, seeded seed + 2."""
+    from tts_lightning.model import generation
+
+    info, model, tokenizer, speaker = tiny
+    texts = [tokenize_text(tokenizer, t) for t in ("Hello.", "Good morning.", "See you soon.")]
+    speakers = speaker.repeat(3, 1) + torch.arange(3.0)[:, None]  # three voices
+    batches = []
+    generate = model.generate
+
+    def recorded(*args, **kwargs):
+        batches.append(len(kwargs["input_ids"]))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recorded)
+    monkeypatch.setattr(generation, "GENERATION_ROWS", 2)
+    together = generate_codes(model, texts, speakers, max_new_tokens=6, seed=5)
+    assert batches == [2, 1]
+    monkeypatch.setattr(generation, "GENERATION_ROWS", 16)
+    first = generate_codes(model, texts[:2], speakers[:2], max_new_tokens=6, seed=5)
+    third = generate_codes(model, texts[2:], speakers[2:], max_new_tokens=6, seed=7)
+    assert len(together) == 3 and all(torch.equal(a, b) for a, b in zip(together, [*first, *third], strict=True))

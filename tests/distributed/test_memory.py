@@ -1,6 +1,7 @@
 """The memory planner: meta-built sizes, FSDP units as the strategy wraps them, scaling, fit/advice,
 the activation formula against saved tensors, and the `plan` command."""
 
+import json
 import random
 import re
 from pathlib import Path
@@ -313,6 +314,31 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     with pytest.raises(ValueError, match="devices"):
         plan_from_config(path, 16)
     assert plan_from_config(path, 16, gpus=2).sharding == "NO_SHARD"
+
+
+def test_samples_are_planned_for_the_runs_speakers_a_generate_call_at_a_time(tiny_dir, tmp_path):
+    """The samples callback speaks every speaker of the run by default: the planner counts the
+    training manifest's (two where it cannot read it), capped at one generate call's rows."""
+    from tts_lightning.data.demo import demo_dir
+    from tts_lightning.model.generation import GENERATION_ROWS
+
+    samples = {"class_path": "tts_lightning.callbacks.SpeakerSamplesCallback", "init_args": {"texts": ["Hi."]}}
+    lines = [json.dumps({"audio": f"{i}.wav", "text": "Hi.", "speaker": f"s{i}"}) for i in range(40)]
+    (tmp_path / "many.jsonl").write_text("\n".join(lines) + "\n")
+
+    def rows(manifest: str, *overrides: str) -> int:
+        config = {
+            "trainer": {"devices": 1, "callbacks": [samples]},
+            "data": {"pretrained": str(tiny_dir), "train_manifest": manifest},
+        }
+        path = tmp_path / "samples.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return plan_from_config(path, 16, overrides=list(overrides)).planned[1].sample_rows
+
+    assert rows(str(demo_dir() / "train.jsonl")) == 2  # alice and bob, one text
+    assert rows(str(demo_dir() / "train.jsonl"), "--data.speakers", "[alice]") == 1
+    assert rows(str(tmp_path / "nope.jsonl")) == 2  # not readable here: planned as two
+    assert rows(str(tmp_path / "many.jsonl")) == GENERATION_ROWS  # 40 speakers, a call at a time
 
 
 @pytest.mark.parametrize("preset", ["1.7b", "0.6b"])

@@ -163,6 +163,9 @@ def voice_clone_inputs(
     return {"voice_clone_prompt": prompt, "ref_ids": ref_ids, "non_streaming_mode": not layout.streaming}
 
 
+GENERATION_ROWS = 16  # rows per generate call: bounds the KV cache (the planner counts this many)
+
+
 def generate_codes(
     model: nn.Module,
     text_ids: Sequence[Sequence[int]],
@@ -193,10 +196,32 @@ def generate_codes(
         layout: the run's sequence layout; ``references`` per row for ``icl`` (`voice_clone_inputs`).
         generate_kwargs: passed to ``model.generate`` (top_k, temperature, subtalker_*,
             repetition_penalty, ...).
+
+    At most `GENERATION_ROWS` rows go to one ``generate`` call (the KV cache grows with the rows:
+    a sampling round of every speaker of a large dataset would not fit); the calls after the
+    first are seeded ``seed + first row``.
     """
     B = len(text_ids)
     if speaker_embeddings.dim() != 2 or speaker_embeddings.shape[0] != B:
         raise ValueError(f"speaker_embeddings must be ({B}, D) for {B} texts, got {tuple(speaker_embeddings.shape)}")
+    if B > GENERATION_ROWS:
+        return [
+            codes
+            for start in range(0, B, GENERATION_ROWS)
+            for codes in generate_codes(
+                model,
+                text_ids[start : start + GENERATION_ROWS],
+                speaker_embeddings[start : start + GENERATION_ROWS],
+                None if languages is None else languages[start : start + GENERATION_ROWS],
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                seed=None if seed is None else seed + start,
+                dtype=dtype,
+                layout=layout,
+                references=None if references is None else references[start : start + GENERATION_ROWS],
+                **generate_kwargs,
+            )
+        ]
     languages = ["auto"] * B if languages is None else [lang or "auto" for lang in languages]
     if len(languages) != B:
         raise ValueError(f"{len(languages)} languages for {B} texts")

@@ -13,9 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from tts_lightning.callbacks.samples import DEFAULT_TEXTS
 from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.config_yaml import load_yaml_config
 from tts_lightning.distributed.memory.plan import MemoryPlan, plan_memory
+from tts_lightning.model.generation import GENERATION_ROWS
 from tts_lightning.model.parameters import DEFAULT_FREEZE
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS
 
@@ -126,8 +128,8 @@ def plan_from_config(
     frames = _get(data, "max_frames_per_batch") or 2000
     samples = _samples_callback(trainer)
     sample_args = _get(samples, "init_args")
-    texts = _get(sample_args, "texts") or (0, 0)
-    speakers = _get(sample_args, "speakers") or (0, 0)  # default all of the run's speakers: planned as two
+    texts = len(_get(sample_args, "texts") or DEFAULT_TEXTS)
+    speakers = len(_get(sample_args, "speakers") or ()) or _speaker_count(data)  # default: all of the run's
     every_n = ray_checkpoint_every_n_steps
     ray_reports_hold = every_n is not None and _ray_reports_hold_gradients(cfg, every_n)
     return plan_memory(
@@ -143,7 +145,7 @@ def plan_from_config(
         auto_wrap_policy=strategy.wrap,
         samples=samples is not None,
         sample_frames=int(_get(sample_args, "max_new_tokens", 240) or 240),
-        sample_rows=len(texts) * max(1, len(speakers)),
+        sample_rows=min(GENERATION_ROWS, texts * speakers),  # rows per generate call
         samples_at_start=bool(_get(sample_args, "baseline", True)) or _get(sample_args, "held_out") is not None,
         sample_asr=_get(sample_args, "asr"),
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
@@ -211,6 +213,18 @@ def _validation_holds_gradients(trainer: Any) -> bool:
     if isinstance(interval, float):
         return interval < 1.0
     return _get(trainer, "check_val_every_n_epoch", 1) is None or interval % accumulate != 0
+
+
+def _speaker_count(data: Any) -> int:
+    """The run's speakers, as the data module counts them (``data.speakers``, else the training
+    manifest's); two where the manifest cannot be read here (a plan made before the data exists)."""
+    from tts_lightning.data.prepare import DataPreparer, PrepareSettings
+
+    arguments = data.as_dict() if hasattr(data, "as_dict") else dict(data or {})
+    try:
+        return len(DataPreparer(PrepareSettings.from_arguments(arguments)).requested_speakers()) or 2
+    except Exception:  # a missing or unreadable manifest: `fit` says what is wrong with it
+        return 2
 
 
 def _pretrained(path: str, data: Any, model_cfg: Any) -> str:
