@@ -6,7 +6,7 @@ For each option: a fit of ``STEPS`` optimizer steps checkpointed (sharded) at st
 per-step losses, which parameters changed, the dtypes of weights and optimizer state. For the options
 in ``RESUMED``: a fresh module resumed from that sharded checkpoint, writing a full (one-file)
 checkpoint at step ``SECOND``, and another fresh module resumed from that one; both must end with the
-uninterrupted fit's weights, bit for bit (this rank's shards are compared). ``lora`` adds a LoRA fit.
+uninterrupted fit's weights, bit for bit (this rank's shards are compared). A LoRA fit follows.
 
 Usage: optimizer_worker.py <fsdp1|fsdp2> <pretrained> <manifest> <cache> <out> <option,...> <resumed,...>
 Writes ``<out>/rank<N>.json``.
@@ -150,10 +150,12 @@ def main(kind, pretrained, manifest, cache, out, options, resumed):
             results[option]["resumed_from"] = {"sharded": first.is_dir(), "full": second.is_file()}
             results[option]["resume_sharded_differ"] = [n for n in final if not torch.equal(final[n], from_sharded[n])]
             results[option]["resume_full_differ"] = [n for n in final if not torch.equal(final[n], from_full[n])]
-    if kind == "fsdp1":  # LoRA with 8-bit moments: only the adapters train
+    # LoRA: only the adapters (and the trainable head) train; FSDP1 with 8-bit moments, FSDP2 with
+    # bf16 weights, stochastic rounding and 8-bit moments.
+    if True:
         _, results["lora"] = fit(
             kind,
-            "adamw8bit",
+            "adamw8bit" if kind == "fsdp1" else "bf16_sr_adamw8bit",
             pretrained,
             data,
             out / "lora",

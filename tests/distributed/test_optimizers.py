@@ -80,13 +80,48 @@ def test_resume_equals_uninterrupted(results, option):
         assert run["host_group_calls"] == [], (kind, option)
 
 
-def test_lora_with_8bit_moments_trains_the_adapters_only(fsdp1):
-    """LoRA adapters plus a fully trained codec head (big enough for 8-bit pieces) under FSDP1."""
-    for rank in fsdp1[0]:
+def test_lora_with_8bit_moments_trains_the_adapters_only(results):
+    """LoRA adapters plus a fully trained codec head (big enough for 8-bit pieces): FSDP1 with
+    adamw8bit, FSDP2 with bf16_sr_adamw8bit (bf16 weights, adapters included)."""
+    kind, ranks = results
+    for rank in ranks:
         run = rank["lora"]
         assert run["frozen_changed"] == [] and run["trainable_changed"] == run["trainable"] > 0
         assert all("lora_" in n or "codec_head" in n for n in run["changed"]), run["changed"][:5]
-    assert "OptimState8bit" in {t for rank in fsdp1[0] for t in rank["lora"]["state_types"]}
+        assert run["weight_dtypes"] == (["torch.float32"] if kind == "fsdp1" else ["torch.bfloat16"]), kind
+    assert "OptimState8bit" in {t for rank in ranks for t in rank["lora"]["state_types"]}, kind
+
+
+def test_export_of_a_lean_checkpoint_reads_the_weights_only(fsdp1, tmp_path):
+    """`export` of a sharded checkpoint with bf16 weights and per-rank 8-bit moments: the weights it
+    holds (upcast exactly to fp32), which qwen_tts loads; no optimizer entry is read."""
+    from qwen_tts import Qwen3TTSModel
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tts_lightning.model.checkpoint import load_training_checkpoint
+    from tts_lightning.model.export import export_custom_voice
+
+    path = fsdp1[1] / "bf16_sr_adamw8bit" / "a" / "step4.ckpt"
+    read: list[str] = []
+    real = FileSystemReader.read_data
+
+    def spy(self, plan, planner):  # records what is read, then reads it
+        read.extend(item.storage_index.fqn for item in plan.items)
+        return real(self, plan, planner)
+
+    FileSystemReader.read_data = spy
+    try:
+        out = export_custom_voice(path, tmp_path / "voice", dtype="fp32")
+    finally:
+        FileSystemReader.read_data = real
+    assert read and not any(fqn.startswith("optimizer") for fqn in read), sorted(set(read))[:5]
+    saved = load_training_checkpoint(path).state_dict
+    exported = load_file(str(out / "model.safetensors"))
+    head = saved["model.talker.codec_head.weight"]
+    assert head.dtype == torch.bfloat16 and torch.equal(exported["talker.codec_head.weight"], head.float())
+    loaded = Qwen3TTSModel.from_pretrained(str(out)).model.state_dict()
+    assert torch.equal(loaded["talker.codec_head.weight"].float(), head.float())
 
 
 @pytest.mark.parametrize(("option", "checkpoint"), [("adamw8bit", "a/step4.ckpt"), ("bf16_sr", "b/step3.ckpt")])
