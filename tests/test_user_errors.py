@@ -72,7 +72,6 @@ CASES = [
     ("fit", [*FIT, "--ckpt_path", "{work}/alice.ckpt"], "ckpt_path {work}/alice.ckpt was trained on the speakers [alice], this run has [alice, bob]: resume with its speakers (--data.speakers '[alice]' and its data), or start a new run"),
     ("fit", [*FIT, "--ckpt_path", "{work}/demo"], "ckpt_path: {work}/demo is a folder but not a sharded checkpoint (no .metadata file): give a checkpoint file or a sharded checkpoint folder"),
     ("fit", [*FIT, "--trainer.default_root_dir", "{work}/earlier"], "{work}/earlier/checkpoints holds the checkpoints of an earlier run (newest: last.ckpt): continue it with --ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"),
-    ("fit", [*FIT, "--trainer.default_root_dir", "{work}/branched", "--ckpt_path", "{work}/step5.ckpt"], "{work}/branched/checkpoints holds checkpoints of later steps (last.ckpt: step 12) than {work}/step5.ckpt (step 5): continue the later ones with --ckpt_path last, or resume this one in another --trainer.default_root_dir"),
     ("fit", [*FIT, "--ckpt_path", "{work}/lora-sharded"], "ckpt_path {work}/lora-sharded was trained with a LoRA adapter (model.adapter), this run is without a LoRA adapter: use the config it was trained with, or start a new run"),
     ("fit", [*FIT, "--data.cache_dir", "{work}/text.ckpt/cache"], "data.cache_dir {work}/text.ckpt/cache: {work}/text.ckpt is a file; give a folder"),
     ("validate", [*FIT, "--ckpt_path", "last"], "ckpt_path last: no checkpoint in {work}/run/checkpoints: give a checkpoint's path"),
@@ -104,7 +103,7 @@ CASES = [
     ("tiny-model", ["{work}/text.ckpt"], "{work}/text.ckpt is a file; choose a folder path for the tiny model"),
     ("tiny-model", ["{work}/demo"], "{work}/demo exists and is not a tiny model directory; refusing to overwrite it: choose another path"),
     ("export", ["--ckpt", "{work}/nope.ckpt", "--out", "{work}/voice"], "checkpoint {work}/nope.ckpt does not exist"),
-    ("export", ["--ckpt", "{work}/branched/checkpoints", "--out", "{work}/voice"], "{work}/branched/checkpoints is a folder but not a sharded checkpoint (no .metadata file; it holds the checkpoints last.ckpt)"),
+    ("export", ["--ckpt", "{work}/earlier/ckpts", "--out", "{work}/voice"], "{work}/earlier/ckpts is a folder but not a sharded checkpoint (no .metadata file; it holds the checkpoints last.ckpt)"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes"], "{work}/notes already exists; choose a new folder, or replace that export with --overwrite"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/notes", "--overwrite"], "{work}/notes is not a model folder (it holds keep.txt): --overwrite replaces only an earlier export; choose a new folder for --out"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{tiny}", "--overwrite"], "{tiny} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder"),
@@ -154,11 +153,8 @@ def work(tmp_path_factory, tiny_dir) -> Path:
     )
     (root / "earlier" / "checkpoints").mkdir(parents=True)  # a run's folder: a new fit there is refused
     shutil.copy(root / "alice.ckpt", root / "earlier" / "checkpoints" / "last.ckpt")
-    # A run's folder at step 12 and a checkpoint of its step 5: resuming that one there is refused.
-    both = {"state_dict": state["state_dict"], "hyper_parameters": {"speakers": ["alice", "bob"]}}
-    (root / "branched" / "checkpoints").mkdir(parents=True)
-    torch.save({**both, "global_step": 12}, root / "branched" / "checkpoints" / "last.ckpt")
-    torch.save({**both, "global_step": 5}, root / "step5.ckpt")
+    (root / "earlier" / "ckpts").mkdir(parents=True)  # a checkpoints folder, given where a checkpoint is asked
+    shutil.copy(root / "alice.ckpt", root / "earlier" / "ckpts" / "last.ckpt")
     (root / "notes").mkdir()  # a folder of the user's: no export may replace it
     (root / "notes" / "keep.txt").write_text("keep\n")
     (root / "badjson").mkdir()
@@ -271,6 +267,19 @@ def test_bad_yaml_in_a_config_names_the_file(work, tiny_dir, trapped_trainer, ca
         f"tts-lightning fit: error: config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values "
         "are not allowed here\n(`tts-lightning fit --help` lists every option)\n"
     )
+
+
+def test_a_config_url_is_read_as_jsonargparse_reads_it(work, tiny_dir, capsys):
+    """Only local files are read ahead (to name bad YAML): a URL (s3://, https://, here fsspec's
+    memory://) still reaches jsonargparse, which LightningCLI lets read remote configs."""
+    import fsspec
+
+    with fsspec.open("memory://tts-lightning/fit.yaml", "w") as f:
+        f.write(TINY_CPU.read_text())
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "memory://tts-lightning/fit.yaml", "--print_config"])
+    assert exit_.value.code == 0
+    assert "Qwen3TTSFSDPStrategy" in capsys.readouterr().out
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path, capsys):

@@ -27,7 +27,6 @@ from tts_lightning.resume_path import (
     REQUEUE_PREFIX,
     best_checkpoint,
     check_checkpoint,
-    checkpoint_step,
     newest_checkpoint,
 )
 
@@ -60,11 +59,14 @@ class CommandLineParser(LightningArgumentParser):
         self.exit(2)
 
     def parse_path(self, path: Any, *args: Any, **kwargs: Any) -> Any:
-        """A ``--config`` file, read first by `load_yaml_config` so that bad YAML names the file."""
-        try:
-            load_yaml_config(os.fspath(path))
-        except ConfigError as exc:
-            raise TypeError(str(exc)) from None
+        """A local ``--config`` file, read first by `load_yaml_config` so that bad YAML names the
+        file; URLs (s3://, https://) and missing files as jsonargparse reads and reports them."""
+        local = os.fspath(path)
+        if os.path.isfile(local):
+            try:
+                load_yaml_config(local)
+            except ConfigError as exc:
+                raise TypeError(str(exc)) from None
         return super().parse_path(path, *args, **kwargs)
 
 
@@ -198,7 +200,7 @@ class TTSLightningCLI(LightningCLI):
                 self.refuse_an_earlier_runs_folder()
             elif unresolved and self.trainer.is_global_zero:  # Lightning's choice, said: no error
                 print(
-                    f"{self.subcommand}: no --ckpt_path: the weights of data.pretrained, untrained "
+                    f"{self.subcommand}: no --ckpt_path: the weights of data.pretrained as they are "
                     "(--ckpt_path last or best for the run's)"
                 )
             return
@@ -215,8 +217,6 @@ class TTSLightningCLI(LightningCLI):
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
         check_checkpoint(path, self._speakers(), self._adapter())
-        if self.subcommand == "fit":
-            self.refuse_a_second_branch(path)
 
     def refuse_an_earlier_runs_folder(self) -> None:
         """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
@@ -235,22 +235,6 @@ class TTSLightningCLI(LightningCLI):
             raise ConfigError(
                 f"{dirpath} holds the checkpoints of an earlier run (newest: {earlier.name}): continue it with "
                 "--ckpt_path last, or start this run in another --trainer.default_root_dir (or remove that folder)"
-            )
-
-    def refuse_a_second_branch(self, path: str | Path) -> None:
-        """A fit resumed from an earlier step than its checkpoint folder's newest: refused, or the
-        folder would hold two runs' steps (`--ckpt_path last` takes the highest step, the later
-        steps that this resume leaves behind)."""
-        dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
-        newest = newest_checkpoint(dirpath) if dirpath else None
-        if newest is None or Path(newest).resolve() == Path(path).resolve():
-            return
-        step, later = checkpoint_step(path), checkpoint_step(newest)
-        if later > step:
-            raise ConfigError(
-                f"{dirpath} holds checkpoints of later steps ({newest.name}: step {later}) than {path} (step {step}): "
-                "continue the later ones with --ckpt_path last, or resume this one in another "
-                "--trainer.default_root_dir"
             )
 
     def _ranks_read_their_own_storage(self) -> bool:
@@ -287,8 +271,9 @@ class TTSLightningCLI(LightningCLI):
         """``--ckpt_path best`` in `validate`, `test` or `predict`: the run's best checkpoint, as its
         newest checkpoint records it (Lightning's ``best`` is the fit's in the same process only).
         Every rank resolves it, on its own storage where ranks are started apart (torchrun, SLURM,
-        the processes Lightning starts for ranks > 0): the same file where they share one, or
-        the same refusal."""
+        the processes Lightning starts for ranks > 0): the same file, or the same refusal, where
+        they share it; on node-local disks a node without the run's folder refuses alone (torchrun
+        then ends the others; elsewhere they wait for it until the process group's timeout)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         best = best_checkpoint(dirpath) if self.subcommand != "fit" else None
         if best is None:

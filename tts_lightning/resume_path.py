@@ -1,13 +1,14 @@
 """What ``--ckpt_path`` names, checked and resolved before a run starts.
 
-- ``last`` is the complete checkpoint of the highest step in the run's checkpoint folder
-  (`last.ckpt` among those of that step, else the one written last): `last.ckpt` normally.
-  `ModelCheckpoint` writes a step's top-k checkpoint before its `last.ckpt`, so a run stopped
-  between the two (or during its first `last.ckpt`) has a top-k checkpoint of a later step than
-  `last.ckpt`, or none; Lightning then resumed from the older one, or from step 0 with a warning.
-  By the step, not by the time written as Lightning picks among `last*.ckpt` files: a copied
-  folder's files have the times of the copy. A folder holds one run's steps: `fit` refuses a new run, or a
-  resume from an earlier step, into a folder with later ones. A checkpoint that a save set aside
+- ``last`` is `last.ckpt` of the run's checkpoint folder, unless a complete checkpoint of a later
+  step was written after it: `ModelCheckpoint` writes a step's top-k checkpoint before its
+  `last.ckpt`, so a run stopped between the two has a top-k checkpoint of a later step (Lightning
+  then resumed from the older one), and SLURM's requeue checkpoint is newer still. Both tests, the
+  step and the time written: a copied folder's files have the times of the copy (the time alone,
+  Lightning's rule among `last*.ckpt` files, resumed a copy from whichever file was copied last),
+  and a folder where a run was resumed from an earlier step keeps the abandoned later steps'
+  files, older than the resumed run's `last.ckpt` (the step alone would resume those). Without a
+  `last.ckpt`, the checkpoint of the highest step. A checkpoint that a save set aside
   (``.last.ckpt.old``, `tts_lightning.distributed.atomic`) counts when the checkpoint it stood for
   is missing. Half-written saves (``.*.partial``) never do (a fit's start removes them). SLURM's
   auto-requeue checkpoints (``hpc_ckpt_<n>.ckpt`` in the run's folder) count too, and a SLURM job
@@ -35,10 +36,9 @@ REQUEUE_PREFIX = "hpc_ckpt_"
 
 
 def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None = None) -> Path | None:
-    """The complete checkpoint of the highest step (``last.ckpt``, else the one written last, among
-    equals) of ``folder`` and of the SLURM auto-requeue checkpoints (`REQUEUE_PREFIX`) in
-    ``requeued_in`` (the run's ``default_root_dir``, where Lightning writes them); None when there
-    is none."""
+    """The checkpoint ``--ckpt_path last`` resumes (the module's docstring) among the complete ones
+    of ``folder`` and the SLURM auto-requeue checkpoints (`REQUEUE_PREFIX`) in ``requeued_in`` (the
+    run's ``default_root_dir``, where Lightning writes them); None when there is none."""
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
 
     candidates = []
@@ -58,18 +58,15 @@ def newest_checkpoint(folder: str | Path | None, requeued_in: str | Path | None 
             continue  # not readable as a checkpoint: never resumed from
         # A sharded checkpoint's meta.pt is written with its shards (a folder's own time changes
         # with its entries only).
-        written = (path / "meta.pt" if path.is_dir() else path).stat().st_mtime_ns
-        order[path] = (step, path.name == LAST, written)
+        order[path] = (step, (path / "meta.pt" if path.is_dir() else path).stat().st_mtime_ns)
     if not order:
         return None
-    return max(order, key=order.__getitem__)
-
-
-def checkpoint_step(path: str | Path) -> int:
-    """The optimizer steps a (complete) checkpoint was saved after."""
-    from tts_lightning.model.checkpoint import CheckpointReader
-
-    return CheckpointReader(path).global_step
+    last = next((p for p in order if p.name in (LAST, f".{LAST}.old")), None)
+    if last is None:
+        return max(order, key=order.__getitem__)
+    step, written = order[last]
+    later = [p for p, (s, w) in order.items() if s > step and w > written]  # saved since, of a later step
+    return max(later, key=order.__getitem__) if later else last
 
 
 def best_checkpoint(folder: str | Path | None) -> Path | None:

@@ -87,6 +87,21 @@ def test_split_shares_the_validation_clips_among_the_speakers():
         assert counts["a"] == 2 and counts["b"] + counts["c"] == 1, counts  # 3 = 2 + one remainder
 
 
+def test_the_notice_of_unvalidated_speakers_says_why():
+    from tts_lightning.data.selection import unvalidated_notice
+
+    clips = [_clip(i, "a") for i in range(5)] + [_clip(10, "b")] + [_clip(20 + i, f"s{i:02d}") for i in range(10)]
+    assert unvalidated_notice(["a", "b"], clips, 0.05, None) == (
+        "no validation clips of a (data.val_fraction 0.05 does not reach them: raise it, or give a "
+        "data.val_manifest); of b (one clip each, kept for training): val/loss does not measure them"
+    )
+    many = unvalidated_notice([f"s{i:02d}" for i in range(10)], clips, 0.1, None)
+    assert "s00, s01, s02, s03, s04, s05, s06, s07 and 2 more (one clip each" in many
+    assert unvalidated_notice(["a"], clips, 0.1, "val.jsonl") == (
+        "no validation clips of a in val.jsonl: val/loss does not measure them"
+    )
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -358,7 +373,9 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     finally:
         rank_zero_logger.removeHandler(handler)
     (unvalidated,) = [line for line in lines if "no validation clips" in line]
-    assert re.fullmatch(r"no validation clips of (alice|bob) \(too few clips for their share\).*", unvalidated)
+    assert re.fullmatch(
+        r"no validation clips of (alice|bob) \(data.val_fraction 0.05 does not reach them: .*", unvalidated
+    )
 
     # Flat flags, a flat data: section, and a failure.
     assert (

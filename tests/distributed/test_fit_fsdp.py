@@ -272,10 +272,11 @@ def test_slurm_requeue_signal_saves_one_step_on_every_rank_and_resumes_exactly(w
 
 
 def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
-    """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: the highest step
-    (last.ckpt among its step's), whatever the files' times (a copied folder's are the copy's); else
-    a set-aside last (a save stopped between its renames), else the top-k one of the highest step;
-    never a half-written or unreadable one."""
+    """`--ckpt_path last` (tts_lightning.resume_path) on the run's real checkpoints: last.ckpt,
+    whatever the order the files were copied in; a checkpoint of a later step written after it (a
+    save stopped before its last.ckpt, a SLURM requeue checkpoint); not a later step written before
+    it (a run resumed from an earlier step leaves the abandoned steps' files); without last.ckpt,
+    its set-aside copy, else the highest step; never a half-written or unreadable one."""
     import os
 
     from tts_lightning.resume_path import newest_checkpoint
@@ -285,19 +286,33 @@ def test_last_is_the_newest_complete_checkpoint(fitted, tmp_path):
     assert sorted(topk) == [EVERY, STEPS], topk
     (folder / "broken.ckpt").write_text("not a checkpoint\n")
     shutil.copytree(folder / "last.ckpt", folder / ".step000099-val_loss1.0000.ckpt.partial")
-    for written, path in enumerate([folder / "last.ckpt", topk[STEPS], topk[EVERY]]):  # copied in this order
-        os.utime(path / "meta.pt", ns=(written, written))
-    assert newest_checkpoint(folder) == folder / "last.ckpt"  # step STEPS, though written before the others
+
+    def written(path, order):
+        os.utime(path / "meta.pt", ns=(order, order))
+
+    for order, path in enumerate([folder / "last.ckpt", topk[STEPS], topk[EVERY]]):
+        written(path, order)  # copied in this order: last.ckpt the oldest file
+    assert newest_checkpoint(folder) == folder / "last.ckpt"
+    # A run resumed from step EVERY into this folder: its last.ckpt (step EVERY), written after the
+    # abandoned run's step STEPS, is the one; a later step saved after it (a save stopped before
+    # its last.ckpt) would be.
+    shutil.rmtree(folder / "last.ckpt")
+    shutil.copytree(topk[EVERY], folder / "last.ckpt")
+    written(topk[STEPS], 10)
+    written(folder / "last.ckpt", 20)
+    assert newest_checkpoint(folder) == folder / "last.ckpt"  # not the abandoned step STEPS
+    written(topk[STEPS], 30)
+    assert newest_checkpoint(folder) == topk[STEPS]
     (folder / "last.ckpt").rename(folder / ".last.ckpt.old")  # stopped between the renames of a save
-    os.utime(folder / ".last.ckpt.old" / "meta.pt")
+    written(folder / ".last.ckpt.old", 40)
     assert newest_checkpoint(folder) == folder / ".last.ckpt.old"
     shutil.rmtree(folder / ".last.ckpt.old")  # stopped while writing its first last.ckpt
-    assert newest_checkpoint(folder) == topk[STEPS]  # not the top-k one written last (step EVERY)
-    shutil.rmtree(topk[STEPS])
-    assert newest_checkpoint(folder) == topk[EVERY]
+    written(topk[EVERY], 50)
+    assert newest_checkpoint(folder) == topk[STEPS]  # the highest step, though written first
     # SLURM's auto-requeue checkpoints, in the run's folder, count too.
     requeued = shutil.copytree(fitted[0] / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_1.ckpt")
-    assert newest_checkpoint(folder, requeued_in=tmp_path) == requeued
+    written(requeued, 60)
+    assert newest_checkpoint(folder, requeued_in=tmp_path) in (requeued, topk[STEPS])  # the same step
     assert newest_checkpoint(None, requeued_in=tmp_path) == requeued
     assert newest_checkpoint(tmp_path / "nope") is None
 

@@ -633,6 +633,10 @@ def _readme_planner_rows() -> list[tuple[str, str]]:
     return [(row, row.split("|")[3]) for row in table.splitlines() if re.match(r"\| (1\.7B|0\.6B) \|", row)]
 
 
+def test_the_readmes_planner_table_is_found():
+    assert len(_readme_planner_rows()) >= 10  # the rows the next test plans again
+
+
 @pytest.mark.parametrize("row", [row for row, _ in _readme_planner_rows()])
 def test_the_readmes_planner_table_is_what_the_planner_says(row):
     """Each row of the README's table, planned again from its settings: the same GiB and verdict."""

@@ -52,7 +52,7 @@ def test_last_checkpoint_is_the_last_step(tiny_dir, demo_data, tmp_path, monkeyp
     assert f"ckpt_path best: {kept[0]}" in capsys.readouterr().out
     # Without --ckpt_path Lightning validates the model as built: the pretrained weights, said.
     assert main(validate[: validate.index("--ckpt_path")]) == 0
-    assert "validate: no --ckpt_path: the weights of data.pretrained, untrained" in capsys.readouterr().out
+    assert "validate: no --ckpt_path: the weights of data.pretrained as they are" in capsys.readouterr().out
 
 
 class CtrlCAt(Callback):

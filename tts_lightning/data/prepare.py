@@ -43,6 +43,7 @@ from tts_lightning.data.selection import (
     reject_bad_codes,
     reject_training_duplicates,
     reject_unknown_languages,
+    unvalidated_notice,
 )
 from tts_lightning.data.speakers import codec_row_table, compute_speaker_table, embed_speakers, select_references
 from tts_lightning.data.subtitles import subtitle_speakers
@@ -345,10 +346,7 @@ class DataPreparer:
         )
         unvalidated = sorted(set(plan.speakers) - {c.speaker for c in index.split("val")})
         if n_val and unvalidated:
-            rank_zero_info(
-                f"no validation clips of {', '.join(unvalidated)} (too few clips for their share): val/loss "
-                "does not measure them; raise data.val_fraction, or give a data.val_manifest"
-            )
+            rank_zero_info(unvalidated_notice(unvalidated, plan.clips, s.val_fraction, s.val_manifest))
         return index
 
     def replay_texts(self) -> list[str]:

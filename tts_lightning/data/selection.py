@@ -64,6 +64,30 @@ def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) 
     return chosen
 
 
+def unvalidated_notice(
+    speakers: list[str], clips: list[AcceptedClip], val_fraction: float, val_manifest: str | None
+) -> str:
+    """One line on the run's ``speakers`` that have no validation clip, and why (``clips``: the run's
+    accepted clips, validation ones included); names past the eighth are counted."""
+
+    def names(group: list[str]) -> str:
+        return ", ".join(group[:8]) + (f" and {len(group) - 8} more" if len(group) > 8 else "")
+
+    if val_manifest:
+        return f"no validation clips of {names(speakers)} in {val_manifest}: val/loss does not measure them"
+    count = Counter(c.record.speaker for c in clips)
+    alone, unreached = [s for s in speakers if count[s] <= 1], [s for s in speakers if count[s] > 1]
+    said = []
+    if unreached:
+        said.append(
+            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them: raise it, or give a "
+            "data.val_manifest)"
+        )
+    if alone:
+        said.append(f"{names(alone)} (one clip each, kept for training)")
+    return f"no validation clips of {'; of '.join(said)}: val/loss does not measure them"
+
+
 def reject_training_duplicates(train: ValidationReport, val: ValidationReport) -> None:
     """Reject the validation clips whose audio is a training clip's (``duplicate``): the same
     audio in both sets would make the validation loss meaningless."""

@@ -27,7 +27,8 @@ workers, one training process each, with the config's FSDP strategy in its Ray v
 kept: FSDP1 (auto, fsdp or Qwen3TTSFSDPStrategy -> RayQwen3TTSFSDPStrategy) or FSDP2
 (Qwen3TTSFSDP2Strategy -> RayQwen3TTSFSDP2Strategy); any other strategy is refused before Ray
 starts. The config's trainer.devices and trainer.num_nodes are replaced by Ray's workers,
-trainer.accelerator by --ray.use_gpu (gloo on CPU, nccl on GPU). On a multi-node cluster
+trainer.accelerator by --ray.use_gpu (gloo on CPU, nccl on GPU; a config on accelerator gpu
+without --ray.use_gpu is refused: it would train on CPU workers). On a multi-node cluster
 data.cache_dir (and the config's paths) must be shared storage, mounted at the same path on every
 node.
 
