@@ -316,6 +316,37 @@ def test_plan_from_yaml(tmp_path, tiny_dir, capsys):
     assert plan_from_config(path, 16, gpus=2).sharding == "NO_SHARD"
 
 
+OURS = "tts_lightning.distributed.fsdp.Qwen3TTSFSDPStrategy"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "full"),
+    [
+        ({"class_path": OURS}, False),  # sharded by default
+        ({"class_path": OURS, "init_args": {"state_dict_type": "full"}}, True),
+        ({"class_path": "lightning.pytorch.strategies.FSDPStrategy"}, True),  # Lightning's default: full
+        ("fsdp", True),
+        ("ddp", False),
+    ],
+)  # fmt: skip
+def test_full_checkpoints_are_said_not_planned(tiny_dir, tmp_path, strategy, full):
+    """A full (one-file) checkpoint gathers everything on rank 0 and FSDP1 resumes it whole in every
+    process: not what the phases plan, so the plan says so, with the sizes."""
+    config = {
+        "trainer": {"devices": 4, "strategy": strategy},
+        "data": {"pretrained": str(tiny_dir), "train_manifest": "x.jsonl"},
+    }
+    path = tmp_path / "full.yaml"
+    path.write_text(yaml.safe_dump(config))
+    plan = plan_from_config(path, 16)
+    said = [n for n in plan.notes if n.startswith("state_dict_type full")]
+    assert bool(said) == full, plan.notes
+    if full:
+        model, settings = plan.planned
+        whole = (plan.parameters + plan.optimizer_states) * (1 if plan.sharding == "NO_SHARD" else 4)
+        assert f"rank 0's host memory ({whole / GiB:.1f} GiB)" in said[0]
+
+
 def test_samples_are_planned_for_the_runs_speakers_a_generate_call_at_a_time(tiny_dir, tmp_path):
     """The samples callback speaks every speaker of the run by default: the planner counts the
     training manifest's (two where it cannot read it), capped at one generate call's rows."""

@@ -121,6 +121,7 @@ def plan_from_config(
             f"{path}: trainer.precision {_get(trainer, 'precision')!r} is not planned (bf16-mixed or 32-true)"
         )
     strategy = _strategy_layout(path, _get(trainer, "strategy", "auto"))
+    full_checkpoints = _full_checkpoints(_get(trainer, "strategy", "auto"))
     freeze = _get(model_cfg, "freeze", list(DEFAULT_FREEZE))
     adapter = _get(model_cfg, "adapter")
     if adapter is not None and not isinstance(adapter, Mapping):
@@ -150,6 +151,7 @@ def plan_from_config(
         sample_asr=_get(sample_args, "asr"),
         adapter=dict(adapter) if isinstance(adapter, Mapping) else None,
         layout=strategy.layout,
+        full_checkpoints=full_checkpoints,
         groups=strategy.groups,
         optimizer=str(_get(model_cfg, "optimizer", "adamw") or "adamw"),
         text_embedding_blocks=int(_get(model_cfg, "text_embedding_blocks", DEFAULT_TEXT_EMBEDDING_BLOCKS)),
@@ -213,6 +215,16 @@ def _validation_holds_gradients(trainer: Any) -> bool:
     if isinstance(interval, float):
         return interval < 1.0
     return _get(trainer, "check_val_every_n_epoch", 1) is None or interval % accumulate != 0
+
+
+def _full_checkpoints(strategy: Any) -> bool:
+    """Whether the strategy writes full (one-file) checkpoints: its ``state_dict_type``, whose
+    default is ``sharded`` for this project's strategies and ``full`` for Lightning's FSDP."""
+    class_path = str(_get(strategy, "class_path") or "")
+    if not class_path and str(strategy).lower() != "fsdp":
+        return False  # ddp, auto, single device: Lightning's one-file checkpoints, not FSDP's gather
+    default = "sharded" if "Qwen3TTS" in class_path else "full"
+    return str(_get(_get(strategy, "init_args"), "state_dict_type", None) or default) == "full"
 
 
 def _speaker_count(data: Any) -> int:

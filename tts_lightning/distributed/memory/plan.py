@@ -240,6 +240,20 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int, as
             )
         total = max(total, samples_total)
     startup, save, host_save, resume = _checkpoint_phases(shape, settings, states)
+    if settings.full_checkpoints and not settings.cpu_offload:
+        # Lightning gathers a full checkpoint into rank 0's host memory; FSDP1's resume reads the
+        # whole optimizer state into every process (FSDP2's maps the file on rank 0 and scatters).
+        shards = 1 if effective == "NO_SHARD" else settings.gpus
+        whole, optimizer = (states.parameters + states.optimizer) * shards, states.optimizer * shards
+        resumed = (
+            ""
+            if settings.fsdp2
+            else f"; a resume reads its optimizer state whole into every process ({optimizer / GiB:.1f} GiB each)"
+        )
+        notes.append(
+            f"state_dict_type full (not in the phases here): a save gathers the parameters and optimizer state into "
+            f"rank 0's host memory ({whole / GiB:.1f} GiB){resumed}; sharded checkpoints do neither"
+        )
     if adapter is not None and not settings.cpu_offload:
         # LoRA checkpoints hold the trainable tensors only (fp32): the frozen base is never copied.
         shards = 1 if effective == "NO_SHARD" else settings.gpus

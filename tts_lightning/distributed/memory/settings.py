@@ -49,6 +49,8 @@ class PlanSettings:
             `plan_from_config` reads given ``ray_checkpoint_every_n_steps``) or at an epoch's end
             with no validation before it; otherwise after validation, which Lightning starts by
             releasing them.
+        full_checkpoints: the strategy's ``state_dict_type`` is ``full`` (one file): its save and
+            resume are not planned, only said (a note); the configs' ``sharded`` ones are.
         validation_holds_gradients: validation can start in the middle of gradient accumulation
             (Lightning releases the gradients before validation only at a step boundary): then
             validation, the samples and the checkpoint after it hold them.
@@ -75,6 +77,7 @@ class PlanSettings:
     text_embedding_blocks: int = DEFAULT_TEXT_EMBEDDING_BLOCKS
     save_at_train_steps: bool = False
     validation_holds_gradients: bool = False
+    full_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         from tts_lightning.model.optimizers import OPTIMIZERS
