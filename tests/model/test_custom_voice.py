@@ -26,6 +26,26 @@ def test_new_speakers_collide_with_nothing(tiny_custom_voice_dir):
     assert speaker_codec_ids(talker, ["bob", "RYAN", "alice", "Vivian"]) == [ids[2], ids[3], ids[0], ids[1]]
 
 
+def test_new_speaker_ids_go_past_72_into_every_id_generation_never_emits(tiny_custom_voice_dir):
+    """The first 72 where the official recipe puts them (vocab - 72, ...); then the rest of the
+    input-only ids: a VCTK-sized run (109 speakers) exports with a row each."""
+    from tts_lightning.errors import UserError
+    from tts_lightning.model.custom_voice import new_speaker_ids
+
+    talker = check_pretrained(tiny_custom_voice_dir).config["talker_config"]
+    vocab = talker["vocab_size"]
+    taken = {v for k, v in talker.items() if k.startswith("codec_") and isinstance(v, int)}
+    taken |= set(talker["codec_language_id"].values()) | set(talker["spk_id"].values())
+    ids = new_speaker_ids(talker, 109)
+    assert len(set(ids)) == 109 and not set(ids) & taken
+    assert all(vocab - 1024 <= i < vocab for i in ids)
+    assert ids[:10] == [i for i in range(vocab - 72, vocab) if i not in taken][:10]  # as before
+    free = 1024 - len(taken & set(range(vocab - 1024, vocab)))
+    assert len(new_speaker_ids(talker, free)) == free
+    with pytest.raises(UserError, match=f"{free + 1} new speakers, but the model has {free} free speaker ids"):
+        new_speaker_ids(talker, free + 1)
+
+
 def test_module_starts_new_rows_from_the_built_in_ones(tiny_custom_voice_dir):
     module = Qwen3TTSModule(str(tiny_custom_voice_dir), speakers=["alice", "Vivian"])
     module.configure_model()

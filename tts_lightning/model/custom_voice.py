@@ -38,22 +38,23 @@ def built_in_speakers(talker_config: Mapping[str, Any]) -> dict[str, int]:
 
 def new_speaker_ids(talker_config: Mapping[str, Any], count: int) -> list[int]:
     """Unused codec ids for new speakers: 3000, 3001, ... on the released models (vocab 3072), the
-    same place (vocab - 72) on smaller vocabularies; never an id a special token or speaker uses."""
+    same place (vocab - 72) on smaller vocabularies, where the official recipe and the CustomVoice
+    models put speakers; past the 72nd, the other ids generation never emits ([vocab - 1024,
+    vocab): input-only rows: special tokens, languages and speakers, about a thousand). Never an id
+    a special token, language or speaker uses."""
     from tts_lightning.errors import UserError
 
     vocab = int(talker_config["vocab_size"])
     used = {v for k, v in talker_config.items() if k.startswith("codec_") and isinstance(v, int)}
     used |= set((talker_config.get("codec_language_id") or {}).values())
     used |= set((talker_config.get("spk_id") or {}).values())
-    ids: list[int] = []
-    candidate = vocab - 72
-    while len(ids) < count:
-        if candidate >= vocab:
-            raise UserError(f"no free codec id left for {count} new speakers (vocab {vocab})")
-        if candidate not in used:
-            ids.append(candidate)
-        candidate += 1
-    return ids
+    free = [i for i in (*range(vocab - 72, vocab), *range(vocab - 1024, vocab - 72)) if i not in used]
+    if count > len(free):
+        raise UserError(
+            f"{count} new speakers, but the model has {len(free)} free speaker ids (codec vocabulary {vocab}): "
+            "train fewer speakers per run (data.speakers)"
+        )
+    return free[:count]
 
 
 def speaker_codec_ids(talker_config: Mapping[str, Any], speakers: Sequence[str]) -> list[int]:
