@@ -641,3 +641,36 @@ def test_at_no_shard_the_copy_is_made_from_the_device_parameters(
     trainer.fit(module, datamodule=data)
     assert compared == [True, True]  # the baseline and the round after the step (weights changed)
     assert gathered == []  # the run itself gathered no full state
+
+
+def test_a_run_of_many_speakers_samples_a_spread_of_them(tiny_dir):
+    """Without `speakers`, at most `max_speakers` (8) are sampled, evenly spaced in the sorted names,
+    and it is said (each speaker x text is generated, decoded, drawn and logged every round)."""
+    from types import SimpleNamespace
+
+    from tts_lightning.callbacks.speaker_facts import SpeakerFacts
+
+    names = [f"p{i:03d}" for i in range(20)]
+    module = Qwen3TTSModule(str(tiny_dir), speakers=names)
+    module.speaker_embeddings.fill_(1.0)  # every speaker has an embedding
+    said: list[str] = []
+
+    def facts(max_speakers):
+        return SpeakerFacts(
+            language=None,
+            speakers=None,
+            max_speakers=max_speakers,
+            max_new_tokens=24,
+            limit_factor=3.0,
+            warn=lambda key, message: said.append(message),
+        )
+
+    kept, rows = facts(8).speaker_rows(SimpleNamespace(), module)
+    assert kept == ["p000", "p002", "p005", "p007", "p010", "p012", "p015", "p017"] and rows.shape[0] == 8
+    assert said == [
+        "SpeakerSamplesCallback: samples 8 of the run's 20 speakers (p000, p002, p005, p007, p010, p012, p015, "
+        "p017): name others with `speakers`, or raise `max_speakers`"
+    ]
+    assert facts(None).speaker_rows(SimpleNamespace(), module)[0] == names
+    with pytest.raises(ValueError, match="max_speakers"):
+        SpeakerSamplesCallback(max_speakers=0)

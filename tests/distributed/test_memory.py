@@ -348,8 +348,8 @@ def test_full_checkpoints_are_said_not_planned(tiny_dir, tmp_path, strategy, ful
 
 
 def test_samples_are_planned_for_the_runs_speakers_a_generate_call_at_a_time(tiny_dir, tmp_path):
-    """The samples callback speaks every speaker of the run by default: the planner counts the
-    training manifest's (two where it cannot read it), capped at one generate call's rows."""
+    """The samples callback speaks the run's speakers, up to its max_speakers, by default: the planner
+    counts the training manifest's (two where it cannot read it), capped at one generate call's rows."""
     from tts_lightning.data.demo import demo_dir
     from tts_lightning.model.generation import GENERATION_ROWS
 
@@ -369,7 +369,9 @@ def test_samples_are_planned_for_the_runs_speakers_a_generate_call_at_a_time(tin
     assert rows(str(demo_dir() / "train.jsonl")) == 2  # alice and bob, one text
     assert rows(str(demo_dir() / "train.jsonl"), "--data.speakers", "[alice]") == 1
     assert rows(str(tmp_path / "nope.jsonl")) == 2  # not readable here: planned as two
-    assert rows(str(tmp_path / "many.jsonl")) == GENERATION_ROWS  # 40 speakers, a call at a time
+    assert rows(str(tmp_path / "many.jsonl")) == 8  # 40 speakers: the callback samples max_speakers (8)
+    samples["init_args"]["max_speakers"] = None  # all 40: one generate call at a time
+    assert rows(str(tmp_path / "many.jsonl")) == GENERATION_ROWS
 
 
 @pytest.mark.parametrize("preset", ["1.7b", "0.6b"])

@@ -79,6 +79,9 @@ BASELINE_PREFIX = "baseline/"
 FAILED: dict[str, float | None] = {}  # what a failed sampling round returns (compared by identity)
 
 
+MAX_SAMPLED_SPEAKERS = 8  # the default: a round of 100 speakers x 2 texts took minutes on CPU
+
+
 class SpeakerSamplesCallback(Callback):
     """Audio samples, spectrograms and speaker similarity of the run's voices during training.
 
@@ -91,7 +94,10 @@ class SpeakerSamplesCallback(Callback):
             log ``val/speaker_similarity`` (off, with one warning, when resemblyzer is missing).
         language: the language tag to speak with; default each speaker's most common training
             language from the data module's prepared index, else "auto".
-        speakers: the speakers to sample; default all of the run's speakers.
+        speakers: the speakers to sample; default all of the run's speakers, up to ``max_speakers``.
+        max_speakers: without ``speakers``, a run of more speakers samples this many, evenly spaced
+            in their sorted names (said once): every round generates, decodes, draws and logs each
+            speaker x text (None: all of them).
         baseline: when the run starts at step 0, sample once with the untrained weights (zero-shot
             x-vector cloning) and log ``baseline/speaker_similarity``, ``baseline/speaking_rate_ratio``
             and ``baseline/eos_failure_rate`` at step 0.
@@ -117,6 +123,7 @@ class SpeakerSamplesCallback(Callback):
         similarity: bool = True,
         language: str | None = None,
         speakers: list[str] | None = None,
+        max_speakers: int | None = MAX_SAMPLED_SPEAKERS,
         baseline: bool = True,
         stop_below_baseline: int | None = None,
         limit_factor: float = 3.0,
@@ -138,6 +145,9 @@ class SpeakerSamplesCallback(Callback):
         self.similarity = similarity
         self.language = language
         self.speakers = None if speakers is None else list(speakers)
+        if max_speakers is not None and max_speakers < 1:
+            raise ValueError(f"max_speakers must be >= 1 or None, got {max_speakers}")
+        self.max_speakers = max_speakers
         if stop_below_baseline is not None and stop_below_baseline < 1:
             raise ValueError(f"stop_below_baseline must be >= 1 or None, got {stop_below_baseline}")
         if limit_factor <= 0:
@@ -161,6 +171,7 @@ class SpeakerSamplesCallback(Callback):
         self.facts = SpeakerFacts(
             language=language,
             speakers=self.speakers,
+            max_speakers=self.max_speakers,
             max_new_tokens=self.max_new_tokens,
             limit_factor=self.limit_factor,
             warn=self._warn_once,

@@ -18,6 +18,11 @@ from tts_lightning.model.generation import SAMPLE_RATE
 PACE_CLIPS = 8  # at most this many of a speaker's clips measure its pace
 
 
+def spread(names: list[str], count: int) -> list[str]:
+    """``count`` of ``names``, evenly spaced: the same ones every round and run."""
+    return [names[i * len(names) // count] for i in range(count)]
+
+
 class SpeakerFacts:
     """Per-speaker facts for `SpeakerSamplesCallback`, cached after the first read.
 
@@ -30,12 +35,14 @@ class SpeakerFacts:
         *,
         language: str | None,
         speakers: list[str] | None,
+        max_speakers: int | None = None,
         max_new_tokens: int,
         limit_factor: float,
         warn: Callable[[str, str], None],
     ) -> None:
         self.language = language
         self.speakers = speakers
+        self.max_speakers = max_speakers
         self.max_new_tokens = max_new_tokens
         self.limit_factor = limit_factor
         self.warn = warn
@@ -72,6 +79,13 @@ class SpeakerFacts:
             except RuntimeError:
                 pass
         wanted = names if self.speakers is None else [s for s in self.speakers if s in names]
+        if self.speakers is None and self.max_speakers is not None and len(names) > self.max_speakers:
+            wanted = spread(names, self.max_speakers)
+            self.warn(
+                "many",
+                f"SpeakerSamplesCallback: samples {len(wanted)} of the run's {len(names)} speakers "
+                f"({', '.join(wanted)}): name others with `speakers`, or raise `max_speakers`",
+            )
         if self.speakers is not None and len(wanted) != len(self.speakers):
             self.warn(
                 "unknown",

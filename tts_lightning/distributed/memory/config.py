@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from tts_lightning.callbacks.samples import DEFAULT_TEXTS
+from tts_lightning.callbacks.samples import DEFAULT_TEXTS, MAX_SAMPLED_SPEAKERS
 from tts_lightning.cli import TTSLightningCLI, cli_main
 from tts_lightning.config_yaml import load_yaml_config
 from tts_lightning.distributed.memory.plan import MemoryPlan, plan_memory
@@ -130,7 +130,8 @@ def plan_from_config(
     samples = _samples_callback(trainer)
     sample_args = _get(samples, "init_args")
     texts = len(_get(sample_args, "texts") or DEFAULT_TEXTS)
-    speakers = len(_get(sample_args, "speakers") or ()) or _speaker_count(data)  # default: all of the run's
+    cap = _get(sample_args, "max_speakers", MAX_SAMPLED_SPEAKERS)  # without `speakers`: the run's, up to this many
+    speakers = len(_get(sample_args, "speakers") or ()) or min(_speaker_count(data), cap or 10**9)
     every_n = ray_checkpoint_every_n_steps
     ray_reports_hold = every_n is not None and _ray_reports_hold_gradients(cfg, every_n)
     return plan_memory(
