@@ -90,11 +90,18 @@ def test_split_shares_the_validation_clips_among_the_speakers():
 def test_the_notice_of_unvalidated_speakers_says_why():
     from tts_lightning.data.selection import unvalidated_notice
 
-    clips = [_clip(i, "a") for i in range(5)] + [_clip(10, "b")] + [_clip(20 + i, f"s{i:02d}") for i in range(10)]
-    assert unvalidated_notice(["a", "b"], clips, 0.05, None) == (
-        "no validation clips of a (data.val_fraction 0.05 does not reach them: raise it, or give a "
+    clips = [_clip(i, "a") for i in range(5)] + [_clip(10 + i, "c") for i in range(5)] + [_clip(30, "b")]
+    clips += [_clip(40 + i, f"s{i:02d}") for i in range(10)]  # 21 clips: 0.05 of them is 1
+    chosen = split_validation(clips, 0.05, seed=0)
+    (validated,) = {c.record.speaker for c in clips if c.content_hash in chosen}
+    (unreached,) = {"a", "c"} - {validated}
+    assert unvalidated_notice([unreached, "b"], clips, 0.05, None) == (
+        f"no validation clips of {unreached} (data.val_fraction 0.05 does not reach them: 0.08 would, or give a "
         "data.val_manifest); of b (one clip each, kept for training): val/loss does not measure them"
     )
+    for fraction, reached in ((0.07, {validated}), (0.08, {"a", "c"})):  # 0.08 of 21 clips is 2
+        chosen = split_validation(clips, fraction, seed=0)
+        assert {c.record.speaker for c in clips if c.content_hash in chosen} == reached
     many = unvalidated_notice([f"s{i:02d}" for i in range(10)], clips, 0.1, None)
     assert "s00, s01, s02, s03, s04, s05, s06, s07 and 2 more (one clip each" in many
     assert unvalidated_notice(["a"], clips, 0.1, "val.jsonl") == (

@@ -346,7 +346,7 @@ class DataPreparer:
         )
         unvalidated = sorted(set(plan.speakers) - {c.speaker for c in index.split("val")})
         if n_val and unvalidated:
-            rank_zero_info(unvalidated_notice(unvalidated, plan.clips, s.val_fraction, s.val_manifest))
+            rank_zero_info(unvalidated_notice(unvalidated, plan.clips, s.val_fraction, s.val_manifest, s.seed))
         return index
 
     def replay_texts(self) -> list[str]:

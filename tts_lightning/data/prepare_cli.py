@@ -168,7 +168,9 @@ def prepare_command(argv: list[str]) -> int:
         print(f"verified {checked} cached codes file(s): {bad} bad, encoded again")
     print(report.summary())
     print(f"report: {data.report_path}")
-    print(f"prepared: {data.prepared_path} (speakers: {', '.join(data.speaker_names)})")
+    names = data.speaker_names
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    print(f"prepared: {data.prepared_path} ({len(names)} speakers: {shown})")
     return 0
 
 

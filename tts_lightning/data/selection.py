@@ -65,10 +65,11 @@ def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) 
 
 
 def unvalidated_notice(
-    speakers: list[str], clips: list[AcceptedClip], val_fraction: float, val_manifest: str | None
+    speakers: list[str], clips: list[AcceptedClip], val_fraction: float, val_manifest: str | None, seed: int = 0
 ) -> str:
-    """One line on the run's ``speakers`` that have no validation clip, and why (``clips``: the run's
-    accepted clips, validation ones included); names past the eighth are counted."""
+    """One line on the run's ``speakers`` that have no validation clip, why, and the smallest
+    ``val_fraction`` (to 0.01, up to 0.5) that would reach them (``clips``: the run's accepted
+    clips, validation ones included); names past the eighth are counted."""
 
     def names(group: list[str]) -> str:
         return ", ".join(group[:8]) + (f" and {len(group) - 8} more" if len(group) > 8 else "")
@@ -79,8 +80,18 @@ def unvalidated_notice(
     alone, unreached = [s for s in speakers if count[s] <= 1], [s for s in speakers if count[s] > 1]
     said = []
     if unreached:
+        hashes = {c.content_hash: c.record.speaker for c in clips}
+        reaching = next(
+            (
+                f / 100
+                for f in range(int(val_fraction * 100) + 1, 51)
+                if set(unreached) <= {hashes[h] for h in split_validation(clips, f / 100, seed)}
+            ),
+            None,
+        )
+        enough = f"{reaching:g} would, " if reaching is not None else ""
         said.append(
-            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them: raise it, or give a "
+            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them: {enough}or give a "
             "data.val_manifest)"
         )
     if alone:
