@@ -165,12 +165,12 @@ def prepare_command(argv: list[str]) -> int:
             raise exc.with_remaining(rest) from exc
         raise
     if cfg.verify:
-        print(f"verified {checked} cached codes file(s): {bad} bad, encoded again")
+        print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())
     print(f"report: {data.report_path}")
-    names = data.speaker_names
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    print(f"prepared: {data.prepared_path} ({len(names)} speakers: {shown})")
+    speakers = data.speaker_names
+    shown = ", ".join(speakers[:8]) + (f" and {len(speakers) - 8} more" if len(speakers) > 8 else "")
+    print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {shown})")
     return 0
 
 
