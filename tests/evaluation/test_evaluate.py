@@ -313,19 +313,45 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
     assert speaker == "dave" and verdict == c["verdict"] and int(pairs) == c["pairs"] == 2
     assert float(diff) == pytest.approx(c["difference"], abs=5e-4)
     assert float(p_value) == pytest.approx(c["p_value"], rel=0.05, abs=1e-12)
-    # Per speaker, each zero-shot system against the fine-tuned one on similarity, pace and failures
-    # (no --asr here: no CER rows), in the JSON's order, as the JSON says.
+    # All speakers together, then per speaker: each zero-shot system against the fine-tuned one on
+    # similarity, pace and failures (no --asr here: no CER rows), in the JSON's order, as it says.
     expected_verdicts = [
         (other, c)
-        for s in result["speakers"].values()
+        for s in [result["all_speakers"], *result["speakers"].values()]
         for other, metrics in s["comparison"].items()
         for c in metrics.values()
         if c["pairs"]
     ]
-    assert len(verdicts) == len(expected_verdicts) == len(SPEAKERS) * 2 * 3
+    assert len(verdicts) == len(expected_verdicts) == (1 + len(SPEAKERS)) * 2 * 3
     labels = {"zero_shot_xvector": "zero-shot x-vector", "zero_shot_icl": "zero-shot ICL"}
     for shown, (other, c) in zip(verdicts, expected_verdicts, strict=True):
         metric, _, against, _, diff, verdict, p_value, test, pairs, visible = shown
         assert visible and against == labels[other] and verdict == c["verdict"] and test == c["test"]
         assert float(p_value) == pytest.approx(c["p_value"], rel=0.05, abs=1e-12)
-        assert float(diff) == pytest.approx(c["difference"], abs=5e-4) and int(pairs) == c["pairs"] == 2
+        assert float(diff) == pytest.approx(c["difference"], abs=5e-4) and int(pairs) == c["pairs"]
+
+
+def test_all_speakers_are_compared_together(evaluated):
+    """With several speakers, one comparison over every speaker's (text, seed) pairs: the overall
+    answer (each speaker alone has few pairs), first in the table and the page."""
+    import numpy as np
+
+    out, printed = evaluated
+    result = json.loads((out / "evaluation.json").read_text())
+    pooled = result["all_speakers"]
+    for other in SYSTEMS[1:]:
+        c = pooled["comparison"][other]["speaker_similarity"]
+        per_speaker = [result["speakers"][s]["comparison"][other]["speaker_similarity"] for s in SPEAKERS]
+        assert c["pairs"] == sum(p["pairs"] for p in per_speaker) == 2 * len(SPEAKERS)
+        differences = [
+            mine["similarity"] - theirs["similarity"]
+            for s in SPEAKERS
+            for mine, theirs in zip(
+                result["speakers"][s]["generations"]["fine_tuned"], result["speakers"][s]["generations"][other]
+            )
+        ]
+        assert c["difference"] == pytest.approx(np.mean(differences))
+    assert pooled["summary"]["fine_tuned"]["generations"] == 2 * len(SPEAKERS)
+    table = (out / "evaluation.md").read_text()
+    assert table.splitlines()[2].startswith("| all speakers | speaker similarity |")
+    assert "<h2>All speakers</h2>" in (out / "evaluation.html").read_text()

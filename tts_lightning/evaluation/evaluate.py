@@ -143,6 +143,10 @@ def evaluate(
     for plan in plans:
         systems = score_speaker(plan, generated, real_audio[plan.name], paces[plan.name], recognizer)
         result["speakers"][plan.name] = _speaker_result(plan, systems, paces[plan.name], alpha)
+    if len(result["speakers"]) > 1:
+        from tts_lightning.evaluation.report import pooled
+
+        result["all_speakers"] = pooled(result["speakers"], alpha=alpha)
     if held_plans is not None and cloned is not None:
         from tts_lightning.evaluation.zero_shot import zero_shot_result
 

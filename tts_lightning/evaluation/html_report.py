@@ -235,6 +235,9 @@ def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
     settings = {"model": result["model"], "base": result["base"], "prepared": result["prepared"], **result["settings"]}
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in settings.items())
     body = ["<h1>Evaluation</h1>", f"<table class=settings>{rows}</table>"]
+    if "all_speakers" in result:  # every speaker's pairs together: the overall answer
+        alpha = result["settings"].get("alpha", DEFAULT_ALPHA)
+        body += ["<h2>All speakers</h2>", _verdicts_table(result["all_speakers"], alpha)]
     for name, speaker in result["speakers"].items():
         body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))
     if "forgetting" in result:

@@ -15,6 +15,9 @@ SYSTEM_LABELS = {
 DEFAULT_ALPHA = 0.05
 
 
+ALL_SPEAKERS = "all speakers"  # the table's row of every speaker's pairs together (`pooled`)
+
+
 def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation of the finite values (None when there are none)."""
     finite = [float(v) for v in values if v is not None and math.isfinite(v)]
@@ -114,11 +117,11 @@ def comparisons(
     """Our system against every other one, metric by metric, on the generations both made from the
     same (text, seed)."""
     out: dict[str, dict] = {}
-    mine = {(g["text_index"], g["seed"]): g for g in systems[ours]}
+    mine = {_pair_key(g): g for g in systems[ours]}
     for other, gens in systems.items():
         if other == ours:
             continue
-        pairs = [(mine[k], g) for g in gens if (k := (g["text_index"], g["seed"])) in mine]
+        pairs = [(mine[k], g) for g in gens if (k := _pair_key(g)) in mine]
         out[other] = {}
         for key, (field, higher, _) in COMPARED.items():
             a = [_value(m, field) for m, _ in pairs]
@@ -126,6 +129,22 @@ def comparisons(
             binary = field == "eos_failure"
             out[other][key] = compare(a, b, higher_is_better=higher, binary=binary, alpha=alpha)
     return out
+
+
+def _pair_key(generation: dict[str, Any]) -> tuple:
+    # The same text and seed (and speaker, in the pooled comparison of all speakers).
+    return generation.get("speaker"), generation["text_index"], generation["seed"]
+
+
+def pooled(speakers: dict[str, dict[str, Any]], *, alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
+    """Every speaker's generations together: each system's summary and the paired comparisons over
+    all (speaker, text, seed) pairs, the overall answer where each speaker alone has too few pairs
+    for a test to tell a difference from noise."""
+    systems: dict[str, list[dict[str, Any]]] = {}
+    for name, speaker in speakers.items():
+        for system, generations in speaker["generations"].items():
+            systems.setdefault(system, []).extend({**g, "speaker": name} for g in generations)
+    return {"summary": {s: summarize(g) for s, g in systems.items()}, "comparison": comparisons(systems, alpha=alpha)}
 
 
 def _value(generation: dict[str, Any], field: str) -> float | None:
@@ -161,7 +180,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         header += [SYSTEM_LABELS[other], "Δ", "verdict"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     alpha = result.get("settings", {}).get("alpha", DEFAULT_ALPHA)
-    for name, speaker in result["speakers"].items():
+    everyone = [(ALL_SPEAKERS, result["all_speakers"])] if "all_speakers" in result else []
+    for name, speaker in [*everyone, *result["speakers"].items()]:
         summary, comp = speaker["summary"], speaker["comparison"]
 
         def row(label, cell, key=None, diff_digits=3):
