@@ -354,4 +354,6 @@ def test_all_speakers_are_compared_together(evaluated):
     assert pooled["summary"]["fine_tuned"]["generations"] == 2 * len(SPEAKERS)
     table = (out / "evaluation.md").read_text()
     assert table.splitlines()[2].startswith("| all speakers | speaker similarity |")
+    for system in SYSTEMS:  # what it is doing, while it does it (72 speakers were minutes of silence)
+        assert f"evaluate: {system}: 4 generations (2 speakers) ...\nevaluate: {system}: done in " in printed
     assert "<h2>All speakers</h2>" in (out / "evaluation.html").read_text()

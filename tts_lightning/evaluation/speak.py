@@ -65,6 +65,9 @@ def generate_system(
 
     out: dict[str, list[dict[str, Any]]] = {}
     frames = _record_frames(tts)
+    count = sum(len(p.texts) for p in plans) * num_samples
+    print(f"evaluate: {label or system}: {count} generations ({len(plans)} speakers) ...", flush=True)
+    began = time.perf_counter()
     try:
         for plan in plans:
             if system == "zero_shot_icl" and not plan.reference_text:
@@ -117,6 +120,7 @@ def generate_system(
             out[plan.name] = gens
     finally:
         _unwrap(tts)
+    print(f"evaluate: {label or system}: done in {time.perf_counter() - began:.0f} s", flush=True)
     return out
 
 
