@@ -96,7 +96,7 @@ def test_the_notice_of_unvalidated_speakers_says_why():
     (validated,) = {c.record.speaker for c in clips if c.content_hash in chosen}
     (unreached,) = {"a", "c"} - {validated}
     assert unvalidated_notice([unreached, "b"], clips, 0.05, None) == (
-        f"no validation clips of {unreached} (data.val_fraction 0.05 does not reach them: 0.08 would, or give a "
+        f"no validation clips of {unreached} (data.val_fraction 0.05 does not reach them, 0.08 would: or give a "
         "data.val_manifest); of b (one clip each, kept for training): val/loss does not measure them"
     )
     for fraction, reached in ((0.07, {validated}), (0.08, {"a", "c"})):  # 0.08 of 21 clips is 2
@@ -381,7 +381,7 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
         rank_zero_logger.removeHandler(handler)
     (unvalidated,) = [line for line in lines if "no validation clips" in line]
     assert re.fullmatch(
-        r"no validation clips of (alice|bob) \(data.val_fraction 0.05 does not reach them: .*", unvalidated
+        r"no validation clips of (alice|bob) \(data.val_fraction 0.05 does not reach them, 0.07 would: .*", unvalidated
     )
 
     # Flat flags, a flat data: section, and a failure.

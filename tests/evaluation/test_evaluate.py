@@ -332,26 +332,25 @@ def test_evaluation_page_plays_in_a_headless_browser(evaluated, tmp_path):
 
 
 def test_all_speakers_are_compared_together(evaluated):
-    """With several speakers, one comparison over every speaker's (text, seed) pairs: the overall
-    answer (each speaker alone has few pairs), first in the table and the page."""
-    import numpy as np
+    """With several speakers, one comparison of them all, the overall answer (each speaker alone has
+    few pairs), first in the table and the page: each speaker counts once (the paired t-test on the
+    speakers' mean similarities: a speaker's pairs are not independent of each other)."""
+    from scipy import stats
 
     out, printed = evaluated
     result = json.loads((out / "evaluation.json").read_text())
     pooled = result["all_speakers"]
     for other in SYSTEMS[1:]:
         c = pooled["comparison"][other]["speaker_similarity"]
-        per_speaker = [result["speakers"][s]["comparison"][other]["speaker_similarity"] for s in SPEAKERS]
-        assert c["pairs"] == sum(p["pairs"] for p in per_speaker) == 2 * len(SPEAKERS)
-        differences = [
-            mine["similarity"] - theirs["similarity"]
-            for s in SPEAKERS
-            for mine, theirs in zip(
-                result["speakers"][s]["generations"]["fine_tuned"], result["speakers"][s]["generations"][other]
-            )
-        ]
-        assert c["difference"] == pytest.approx(np.mean(differences))
+        means = {
+            system: [np.mean([g["similarity"] for g in result["speakers"][s]["generations"][system]]) for s in SPEAKERS]
+            for system in ("fine_tuned", other)
+        }
+        assert c["pairs"] == len(SPEAKERS) and c["test"] == "paired t on speaker means"
+        assert c["difference"] == pytest.approx(np.mean(np.subtract(means["fine_tuned"], means[other])))
+        assert c["p_value"] == pytest.approx(stats.ttest_rel(means["fine_tuned"], means[other]).pvalue)
     assert pooled["summary"]["fine_tuned"]["generations"] == 2 * len(SPEAKERS)
+    assert pooled["summary"]["fine_tuned"]["speakers"] == len(SPEAKERS)
     table = (out / "evaluation.md").read_text()
     assert table.splitlines()[2].startswith("| all speakers | speaker similarity |")
     for system in SYSTEMS:  # what it is doing, while it does it (72 speakers were minutes of silence)

@@ -96,8 +96,8 @@ class SpeakerSamplesCallback(Callback):
             language from the data module's prepared index, else "auto".
         speakers: the speakers to sample; default all of the run's speakers, up to ``max_speakers``.
         max_speakers: without ``speakers``, a run of more speakers samples this many, evenly spaced
-            in their sorted names (said once): every round generates, decodes, draws and logs each
-            speaker x text (None: all of them).
+            in the run's order of them (sorted, unless ``data.speakers`` orders them; said once):
+            every round generates, decodes, draws and logs each speaker x text (None: all of them).
         baseline: when the run starts at step 0, sample once with the untrained weights (zero-shot
             x-vector cloning) and log ``baseline/speaker_similarity``, ``baseline/speaking_rate_ratio``
             and ``baseline/eos_failure_rate`` at step 0.

@@ -80,18 +80,21 @@ def unvalidated_notice(
     alone, unreached = [s for s in speakers if count[s] <= 1], [s for s in speakers if count[s] > 1]
     said = []
     if unreached:
+        # The shares are largest remainders, not monotonic in the fraction: the one suggested must
+        # reach every speaker with more than one clip, not only these.
         hashes = {c.content_hash: c.record.speaker for c in clips}
+        several = {s for s, n in count.items() if n > 1}
         reaching = next(
             (
                 f / 100
                 for f in range(int(val_fraction * 100) + 1, 51)
-                if set(unreached) <= {hashes[h] for h in split_validation(clips, f / 100, seed)}
+                if several <= {hashes[h] for h in split_validation(clips, f / 100, seed)}
             ),
             None,
         )
-        enough = f"{reaching:g} would, " if reaching is not None else ""
+        enough = f"{reaching:g} would" if reaching is not None else "nor would 0.5"
         said.append(
-            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them: {enough}or give a "
+            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them, {enough}: or give a "
             "data.val_manifest)"
         )
     if alone:

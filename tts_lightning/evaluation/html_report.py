@@ -238,6 +238,10 @@ def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
     if "all_speakers" in result:  # every speaker's pairs together: the overall answer
         alpha = result["settings"].get("alpha", DEFAULT_ALPHA)
         body += ["<h2>All speakers</h2>", _verdicts_table(result["all_speakers"], alpha)]
+        body.append(
+            "<p>Each speaker counts once: Δ and the paired t-test are over the speakers' means, for the "
+            "speakers both systems spoke for.</p>"
+        )
     for name, speaker in result["speakers"].items():
         body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))
     if "forgetting" in result:

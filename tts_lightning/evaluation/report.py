@@ -132,19 +132,31 @@ def comparisons(
 
 
 def _pair_key(generation: dict[str, Any]) -> tuple:
-    # The same text and seed (and speaker, in the pooled comparison of all speakers).
-    return generation.get("speaker"), generation["text_index"], generation["seed"]
+    return generation["text_index"], generation["seed"]  # the same text and seed
 
 
 def pooled(speakers: dict[str, dict[str, Any]], *, alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
-    """Every speaker's generations together: each system's summary and the paired comparisons over
-    all (speaker, text, seed) pairs, the overall answer where each speaker alone has too few pairs
-    for a test to tell a difference from noise."""
-    systems: dict[str, list[dict[str, Any]]] = {}
-    for name, speaker in speakers.items():
-        for system, generations in speaker["generations"].items():
-            systems.setdefault(system, []).extend({**g, "speaker": name} for g in generations)
-    return {"summary": {s: summarize(g) for s, g in systems.items()}, "comparison": comparisons(systems, alpha=alpha)}
+    """Every speaker together, the overall answer where each speaker alone has too few pairs for a
+    test to tell a difference from noise. A speaker counts once: each system's summary is over the
+    speakers it spoke for, and each comparison pairs the fine-tuned model's mean with the other
+    system's, speaker by speaker, over the speakers both spoke for (a paired t-test on the speakers'
+    means: their pairs are not independent of each other)."""
+    summary: dict[str, Any] = {}
+    comparison: dict[str, dict] = {}
+    for system in dict.fromkeys(s for speaker in speakers.values() for s in speaker["generations"]):
+        spoken = [sp for sp in speakers.values() if system in sp["generations"]]
+        summary[system] = summarize([g for sp in spoken for g in sp["generations"][system]])
+        summary[system]["speakers"] = len(spoken)
+        if system == "fine_tuned":
+            continue
+        both = [sp["generations"] for sp in spoken if "fine_tuned" in sp["generations"]]
+        comparison[system] = {}
+        for key, (field, higher, _) in COMPARED.items():
+            ours = [mean_sd([_value(g, field) for g in gens["fine_tuned"]])[0] for gens in both]
+            theirs = [mean_sd([_value(g, field) for g in gens[system]])[0] for gens in both]
+            c = compare(ours, theirs, higher_is_better=higher, alpha=alpha)
+            comparison[system][key] = {**c, "test": c["test"] and f"{c['test']} on speaker means"}
+    return {"summary": summary, "comparison": comparison}
 
 
 def _value(generation: dict[str, Any], field: str) -> float | None:
@@ -217,6 +229,10 @@ def markdown_table(result: dict[str, Any]) -> str:
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
     notes = [
         "",
+        f"{ALL_SPEAKERS}: each speaker counts once (Δ and the paired t-test on the speakers' means, over the "
+        "speakers both systems spoke for)."
+        if everyone
+        else "",
         "Δ: fine-tuned minus zero-shot, the mean over the same (text, seed) pairs (for the speaking rate: "
         "the change in |log ratio|, the distance from the speaker's pace; negative is closer). Verdict: "
         f"better / worse when a paired test gives p < {alpha:g} (paired t-test for similarity and pace, "

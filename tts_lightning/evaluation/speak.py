@@ -65,8 +65,9 @@ def generate_system(
 
     out: dict[str, list[dict[str, Any]]] = {}
     frames = _record_frames(tts)
-    count = sum(len(p.texts) for p in plans) * num_samples
-    print(f"evaluate: {label or system}: {count} generations ({len(plans)} speakers) ...", flush=True)
+    spoken = [p for p in plans if system != "zero_shot_icl" or p.reference_text]  # ICL needs a transcript
+    count = sum(len(p.texts) for p in spoken) * num_samples
+    print(f"evaluate: {label or system}: {count} generations ({len(spoken)} speakers) ...", flush=True)
     began = time.perf_counter()
     try:
         for plan in plans:

@@ -48,7 +48,9 @@ def new_speaker_ids(talker_config: Mapping[str, Any], count: int) -> list[int]:
     used = {v for k, v in talker_config.items() if k.startswith("codec_") and isinstance(v, int)}
     used |= set((talker_config.get("codec_language_id") or {}).values())
     used |= set((talker_config.get("spk_id") or {}).values())
-    free = [i for i in (*range(vocab - 72, vocab), *range(vocab - 1024, vocab - 72)) if i not in used]
+    codes = int((talker_config.get("code_predictor_config") or {}).get("vocab_size", 0))
+    low = max(vocab - 1024, codes, 0)  # ids generation emits (the codes) are never speakers
+    free = [i for i in (*range(max(vocab - 72, low), vocab), *range(low, vocab - 72)) if i not in used]
     if count > len(free):
         raise UserError(
             f"{count} new speakers, but the model has {len(free)} free speaker ids (codec vocabulary {vocab}): "

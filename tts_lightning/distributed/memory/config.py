@@ -222,7 +222,7 @@ def _full_checkpoints(strategy: Any) -> bool:
     """Whether the strategy writes full (one-file) checkpoints: its ``state_dict_type``, whose
     default is ``sharded`` for this project's strategies and ``full`` for Lightning's FSDP."""
     class_path = str(_get(strategy, "class_path") or "")
-    if not class_path and str(strategy).lower() != "fsdp":
+    if "FSDP" not in class_path and str(strategy).lower() != "fsdp":
         return False  # ddp, auto, single device: Lightning's one-file checkpoints, not FSDP's gather
     default = "sharded" if "Qwen3TTS" in class_path else "full"
     return str(_get(_get(strategy, "init_args"), "state_dict_type", None) or default) == "full"
