@@ -258,7 +258,7 @@ class TTSLightningCLI(LightningCLI):
         the strategies resume every rank from global rank 0's choice (`check_on_every_node`)."""
         dirpath = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         newest = newest_checkpoint(dirpath, requeued_in=self.trainer.default_root_dir)
-        said = f"ckpt_path last: resuming from {newest}, the newest complete checkpoint ({LAST} is older or missing)"
+        said = f"ckpt_path last: resuming from {newest}, a later step saved after {LAST} (or {LAST} is missing)"
         self._resume_from(newest, said if newest is not None and newest.name != LAST else None)
         if newest is None and self.subcommand != "fit":  # the untrained model would be used silently
             raise ConfigError(f"ckpt_path last: no checkpoint in {dirpath}: give a checkpoint's path")

@@ -168,9 +168,10 @@ def prepare_command(argv: list[str]) -> int:
         print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())
     print(f"report: {data.report_path}")
+    from tts_lightning.data.selection import some_names
+
     speakers = data.speaker_names
-    shown = ", ".join(speakers[:8]) + (f" and {len(speakers) - 8} more" if len(speakers) > 8 else "")
-    print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {shown})")
+    print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {some_names(speakers)})")
     return 0
 
 

@@ -54,14 +54,21 @@ def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) 
     # The rest one by one, largest remainder first (ties in a seeded order of the names), while
     # any speaker has room.
     by_remainder = sorted(by_speaker, key=lambda s: (-(n_val * len(by_speaker[s]) % n), rank(s)))
-    while sum(quota.values()) < n_val and any(quota[s] < room[s] for s in by_speaker):
+    left = n_val - sum(quota.values())
+    while left and any(quota[s] < room[s] for s in by_speaker):
         for speaker in by_remainder:
-            if quota[speaker] < room[speaker] and sum(quota.values()) < n_val:
+            if left and quota[speaker] < room[speaker]:
                 quota[speaker] += 1
+                left -= 1
     chosen: set[str] = set()
     for speaker, own in by_speaker.items():
         chosen.update(c.content_hash for c in sorted(own, key=lambda c: rank(c.content_hash))[: quota[speaker]])
     return chosen
+
+
+def some_names(names: list[str], shown: int = 8) -> str:
+    """The first ``shown`` of ``names``, the rest counted: a line that stays short for 100 speakers."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def unvalidated_notice(
@@ -71,11 +78,8 @@ def unvalidated_notice(
     ``val_fraction`` (to 0.01, up to 0.5) that would reach them (``clips``: the run's accepted
     clips, validation ones included); names past the eighth are counted."""
 
-    def names(group: list[str]) -> str:
-        return ", ".join(group[:8]) + (f" and {len(group) - 8} more" if len(group) > 8 else "")
-
     if val_manifest:
-        return f"no validation clips of {names(speakers)} in {val_manifest}: val/loss does not measure them"
+        return f"no validation clips of {some_names(speakers)} in {val_manifest}: val/loss does not measure them"
     count = Counter(c.record.speaker for c in clips)
     alone, unreached = [s for s in speakers if count[s] <= 1], [s for s in speakers if count[s] > 1]
     said = []
@@ -94,11 +98,11 @@ def unvalidated_notice(
         )
         enough = f"{reaching:g} would" if reaching is not None else "nor would 0.5"
         said.append(
-            f"{names(unreached)} (data.val_fraction {val_fraction:g} does not reach them, {enough}: or give a "
+            f"{some_names(unreached)} (data.val_fraction {val_fraction:g} does not reach them, {enough}: or give a "
             "data.val_manifest)"
         )
     if alone:
-        said.append(f"{names(alone)} (one clip each, kept for training)")
+        said.append(f"{some_names(alone)} (one clip each, kept for training)")
     return f"no validation clips of {'; of '.join(said)}: val/loss does not measure them"
 
 

@@ -117,11 +117,11 @@ def comparisons(
     """Our system against every other one, metric by metric, on the generations both made from the
     same (text, seed)."""
     out: dict[str, dict] = {}
-    mine = {_pair_key(g): g for g in systems[ours]}
+    mine = {(g["text_index"], g["seed"]): g for g in systems[ours]}
     for other, gens in systems.items():
         if other == ours:
             continue
-        pairs = [(mine[k], g) for g in gens if (k := _pair_key(g)) in mine]
+        pairs = [(mine[k], g) for g in gens if (k := (g["text_index"], g["seed"])) in mine]
         out[other] = {}
         for key, (field, higher, _) in COMPARED.items():
             a = [_value(m, field) for m, _ in pairs]
@@ -129,10 +129,6 @@ def comparisons(
             binary = field == "eos_failure"
             out[other][key] = compare(a, b, higher_is_better=higher, binary=binary, alpha=alpha)
     return out
-
-
-def _pair_key(generation: dict[str, Any]) -> tuple:
-    return generation["text_index"], generation["seed"]  # the same text and seed
 
 
 def pooled(speakers: dict[str, dict[str, Any]], *, alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
@@ -227,12 +223,13 @@ def markdown_table(result: dict[str, Any]) -> str:
         row("end-of-speech failures", lambda s: f"{s['eos_failures']}/{s['generations']}", "eos_failure_rate", 2)
         row("mean duration (s)", lambda s: _fmt(s["mean_seconds"], digits=2))
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
-    notes = [
-        "",
+    pooled_note = (
         f"{ALL_SPEAKERS}: each speaker counts once (Δ and the paired t-test on the speakers' means, over the "
         "speakers both systems spoke for)."
-        if everyone
-        else "",
+    )
+    notes = [
+        "",
+        *([pooled_note] if everyone else []),
         "Δ: fine-tuned minus zero-shot, the mean over the same (text, seed) pairs (for the speaking rate: "
         "the change in |log ratio|, the distance from the speaker's pace; negative is closer). Verdict: "
         f"better / worse when a paired test gives p < {alpha:g} (paired t-test for similarity and pace, "

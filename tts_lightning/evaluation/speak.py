@@ -70,9 +70,7 @@ def generate_system(
     print(f"evaluate: {label or system}: {count} generations ({len(spoken)} speakers) ...", flush=True)
     began = time.perf_counter()
     try:
-        for plan in plans:
-            if system == "zero_shot_icl" and not plan.reference_text:
-                continue  # no transcript of the reference: ICL is not possible
+        for plan in spoken:
             prompt = None
             if system != "fine_tuned":
                 prompt = tts.create_voice_clone_prompt(

@@ -232,11 +232,12 @@ def _speaker_count(data: Any) -> int:
     """The run's speakers, as the data module counts them (``data.speakers``, else the training
     manifest's); two where the manifest cannot be read here (a plan made before the data exists)."""
     from tts_lightning.data.prepare import DataPreparer, PrepareSettings
+    from tts_lightning.errors import UserError
 
     arguments = data.as_dict() if hasattr(data, "as_dict") else dict(data or {})
     try:
         return len(DataPreparer(PrepareSettings.from_arguments(arguments)).requested_speakers()) or 2
-    except Exception:  # a missing or unreadable manifest: `fit` says what is wrong with it
+    except (OSError, ValueError, UserError):  # a missing or unreadable manifest: `fit` says what is wrong
         return 2
 
 
