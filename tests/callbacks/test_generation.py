@@ -52,7 +52,7 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     assert torch.equal(logits[:T].argmax(-1), codes[:, 0])
     if T < max_new - 1:  # stopped by eos, not by the cap
         assert int(logits[T].argmax()) == ids.codec_eos
-    assert torch.equal(out.predictor_logits.argmax(-1), codes[:, 1:])
+    assert torch.equal(out.predictor_predictions, codes[:, 1:])
 
 
 def test_seeded_sampling_is_reproducible_and_leaves_the_rng_alone(tiny):

@@ -320,24 +320,30 @@ def test_one_rank_predictor_blocks_of_rows_keep_loss_and_gradients(
     process_group, tiny_dir, batch, monkeypatch, adapter
 ):
     """Through the real FSDP1 wrap: the batch's 65 frames recomputed in blocks of 16 rows (and one
-    of 1) give the loss and gradients of one block; with LoRA too, whose adapters are FSDP units of
-    their own inside the layer (called once per block)."""
+    of 1) give the loss and gradients of one block, in the predictor's layers and in its heads (the
+    root unit's); with LoRA too, whose adapters are FSDP units of their own inside the layer (called
+    once per block)."""
     from tts_lightning.distributed import row_chunks
 
-    _, wrapped = _wrapped(tiny_dir, "32-true", adapter=adapter)
+    module, wrapped = _wrapped(tiny_dir, "32-true", adapter=adapter)
     layer = next(_unwrap(m) for m in wrapped.modules() if is_checkpointed_by_rows(m))
     rows_seen: list[int] = []
     layer.register_forward_pre_hook(lambda m, args: rows_seen.append(args[0].shape[0]))
+    head_rows: list[int] = []
+    module.talker.code_predictor.lm_head[0].register_forward_pre_hook(lambda m, args: head_rows.append(len(args[0])))
     results = []
     for rows in (10**6, 16):
         monkeypatch.setattr(row_chunks, "PREDICTOR_ROWS", rows)
+        monkeypatch.setattr(row_chunks, "HEAD_ROWS", rows)
         wrapped.zero_grad(set_to_none=True)
         rows_seen.clear()
+        head_rows.clear()
         out = wrapped(batch)
         out.loss.backward()
         results.append((out.loss.detach(), [p.grad.clone() for p in wrapped.parameters() if p.grad is not None]))
     # forward, then each block recomputed in backward, the last first
     assert rows_seen == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
+    assert head_rows == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
     (loss_one, grads_one), (loss_blocks, grads_blocks) = results
     torch.testing.assert_close(loss_blocks, loss_one, rtol=1e-6, atol=0)
     assert len(grads_blocks) == len(grads_one) > 0

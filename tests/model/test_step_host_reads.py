@@ -104,13 +104,16 @@ def test_codebook_accuracy_equals_torchmetrics(tiny_dir, make_datamodule):
     with torch.no_grad():
         out = compute_loss(module.talker, batch)
     accuracy, counted = codebook_accuracy(out)
-    pairs = [(out.talker_logits, out.talker_targets)] + [
-        (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(out.predictor_targets.shape[1])
+    # The code predictor's logits are not kept (`predictor_losses`): its top-1 codes are compared.
+    codes = module.talker.code_predictor.config.vocab_size
+    pairs = [(out.talker_logits, out.talker_targets, out.talker_logits.shape[-1])] + [
+        (out.predictor_predictions[:, j], out.predictor_targets[:, j], codes)
+        for j in range(out.predictor_targets.shape[1])
     ]
     assert accuracy.shape == (len(pairs),)
-    for j, (logits, targets) in enumerate(pairs):
-        reference = MulticlassAccuracy(logits.shape[-1], top_k=1, average="micro", ignore_index=-100)
-        torch.testing.assert_close(accuracy[j], reference(logits, targets), rtol=0, atol=1e-7)
+    for j, (predicted, targets, classes) in enumerate(pairs):
+        reference = MulticlassAccuracy(classes, top_k=1, average="micro", ignore_index=-100)
+        torch.testing.assert_close(accuracy[j], reference(predicted, targets), rtol=0, atol=1e-7)
         assert int(counted[j]) == targets.numel()
 
 

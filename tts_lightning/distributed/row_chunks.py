@@ -1,4 +1,4 @@
-"""Activation checkpointing of the code predictor's decoder layers by blocks of rows.
+"""Activation checkpointing of the code predictor's decoder layers, and of its heads, by blocks of rows.
 
 The code predictor runs each frame as its own 16-position sequence: its batch has one row per frame
 of the micro-batch (2000 rows at 2000 frames), and the rows never meet (attention stays within a
@@ -13,6 +13,10 @@ Both strategies use it: FSDP1 on Lightning's ``CheckpointWrapper`` around each p
 wrapper is called once per block), FSDP2 instead of composable checkpointing on the layer itself.
 The layer stays the FSDP unit called once per step: only the checkpointed call is repeated inside
 it, so gathers, hooks and parameter names are unchanged.
+
+The heads and their cross-entropy (`tts_lightning.model.loss.predictor_losses`) go the same way,
+without a strategy: `checkpointed_by_rows`, blocks of `HEAD_ROWS` frames. The heads are the root
+unit's parameters (both strategies), which stay gathered from the forward to the backward.
 """
 
 from __future__ import annotations
@@ -26,11 +30,23 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["PREDICTOR_ROWS", "checkpoint_by_rows", "checkpoint_wrapped_predictor_by_rows", "is_checkpointed_by_rows"]
+__all__ = [
+    "HEAD_ROWS",
+    "PREDICTOR_ROWS",
+    "checkpoint_by_rows",
+    "checkpoint_wrapped_predictor_by_rows",
+    "checkpointed_by_rows",
+    "is_checkpointed_by_rows",
+]
 
 # Rows (frames) per checkpointed block: 8192 positions, large enough to keep a GPU's matmuls
 # efficient, small enough that one block's recomputation is a quarter of 2000 frames' (0.6B, 1.7B).
 PREDICTOR_ROWS = 512
+# Frames per block of the code predictor's heads and cross-entropy (`tts_lightning.model.loss`):
+# their logits, 15 heads x 2048 codes per frame in fp32, were the largest activation of a step (0.7
+# GiB of 2.0 at 2000 frames, kept until the backward); by blocks, one block's are alive at a time,
+# recomputed in backward (the heads are ~2% of a 0.6B forward's work: ~0.5% more per step).
+HEAD_ROWS = 512
 
 
 def checkpoint_by_rows(module: nn.Module, *, checkpointed: bool) -> None:
@@ -54,31 +70,41 @@ def checkpoint_wrapped_predictor_by_rows(model: nn.Module) -> nn.Module:
     return model
 
 
+def checkpointed_by_rows(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` by blocks of `HEAD_ROWS` rows (dimension 0 of every tensor argument with
+    as many rows as the first), each block under `torch.utils.checkpoint` (nothing it computes is
+    kept for backward but its outputs), the outputs concatenated; one call without gradients.
+    ``function`` must treat rows independently and draw no random numbers."""
+    return _by_rows(
+        lambda *a: checkpoint(function, *a, use_reentrant=False, preserve_rng_state=False), args, {}, HEAD_ROWS
+    )
+
+
 def is_checkpointed_by_rows(module: nn.Module) -> bool:
     forward = module.__dict__.get("forward")
     return isinstance(forward, MethodType) and forward.__func__ in (_wrapped_rows, _checkpointed_rows)
 
 
 def _wrapped_rows(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return _by_rows(partial(type(self).forward, self), args, kwargs)
+    return _by_rows(partial(type(self).forward, self), args, kwargs, PREDICTOR_ROWS)
 
 
 def _checkpointed_rows(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = partial(type(self).forward, self)
-    return _by_rows(lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k), args, kwargs)
+    return _by_rows(lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k), args, kwargs, PREDICTOR_ROWS)
 
 
-def _by_rows(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+def _by_rows(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], size: int) -> Any:
     hidden = args[0] if args else kwargs.get("hidden_states")
     rows = hidden.shape[0] if isinstance(hidden, Tensor) else 0
     # One call without gradients (validation, generation) or with a KV cache (generation's steps).
-    if rows <= PREDICTOR_ROWS or not torch.is_grad_enabled() or kwargs.get("past_key_values") is not None:
+    if rows <= size or not torch.is_grad_enabled() or kwargs.get("past_key_values") is not None:
         return forward(*args, **kwargs)
-    starts = range(0, rows, PREDICTOR_ROWS)
+    starts = range(0, rows, size)
 
     def block(value: Any, i: int) -> Any:
         if isinstance(value, Tensor) and value.dim() and value.shape[0] == rows:
-            return value[starts[i] : starts[i] + PREDICTOR_ROWS]
+            return value[starts[i] : starts[i] + size]
         if isinstance(value, tuple):
             return tuple(block(v, i) for v in value)
         return value
@@ -86,5 +112,5 @@ def _by_rows(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -
     outputs = [forward(*block(args, i), **{k: block(v, i) for k, v in kwargs.items()}) for i in range(len(starts))]
     if isinstance(outputs[0], Tensor):
         return torch.cat(outputs)
-    # The layer returns (hidden_states,) or (hidden_states, attention weights): each concatenated.
+    # A layer returns (hidden_states,) or (hidden_states, attention weights): each concatenated.
     return tuple(torch.cat(parts) if isinstance(parts[0], Tensor) else parts[0] for parts in zip(*outputs))

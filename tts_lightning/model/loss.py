@@ -15,12 +15,14 @@ position late, ``text_projection`` skipped); see tests/model/test_loss_parity.py
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
+from tts_lightning.distributed.row_chunks import checkpointed_by_rows
 from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, embed_batch
 
 
@@ -36,7 +38,7 @@ class LossOutput:
     talker_targets: Tensor  # (N_t,)
     predictor_nll: Tensor  # (N_f, G-1) per frame and codebook
     predictor_example: Tensor  # (N_f,) example index of each frame
-    predictor_logits: Tensor  # (N_f, G-1, V_codes) fp32
+    predictor_predictions: Tensor  # (N_f, G-1) top-1 code (the logits are not kept: `predictor_losses`)
     predictor_targets: Tensor  # (N_f, G-1)
 
 
@@ -91,11 +93,35 @@ def code_predictor_inputs(talker, past_hidden: Tensor, codes: Tensor) -> Tensor:
     return torch.cat(embeds, dim=1)
 
 
-def code_predictor_logits(talker, inputs: Tensor) -> Tensor:
-    """(N, G-1, V): head j applied at position j+1."""
+def code_predictor_hidden(talker, inputs: Tensor) -> Tensor:
+    """(N, G, D): the code predictor's last hidden states."""
     predictor = talker.code_predictor
-    hidden = predictor.model(inputs_embeds=predictor.small_to_mtp_projection(inputs), use_cache=False).last_hidden_state
-    return torch.stack([predictor.lm_head[j](hidden[:, j + 1]) for j in range(inputs.shape[1] - 1)], dim=1)
+    return predictor.model(inputs_embeds=predictor.small_to_mtp_projection(inputs), use_cache=False).last_hidden_state
+
+
+def head_logits(heads, hidden: Tensor) -> Tensor:
+    """(N, G-1, V): head j applied at position j+1 of ``hidden`` (N, G, D)."""
+    return torch.stack([heads[j](hidden[:, j + 1]) for j in range(hidden.shape[1] - 1)], dim=1)
+
+
+def code_predictor_logits(talker, inputs: Tensor) -> Tensor:
+    """(N, G-1, V): the code predictor's logits for its inputs (`code_predictor_inputs`)."""
+    return head_logits(talker.code_predictor.lm_head, code_predictor_hidden(talker, inputs))
+
+
+def _head_losses(heads, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    # Cross-entropy in fp32: under bf16 compute the logits' rounding would dominate small losses.
+    logits = head_logits(heads, hidden).float()
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    return nll, logits.argmax(-1)
+
+
+def predictor_losses(talker, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(NLL (N, G-1) fp32, top-1 codes (N, G-1)) of the code predictor's heads on its last hidden
+    states ``hidden`` (N, G, D) against ``targets`` (N, G-1). Computed by blocks of frames, each
+    checkpointed (`tts_lightning.distributed.row_chunks.checkpointed_by_rows`): only one block's
+    logits are alive at a time, in the forward and when backward recomputes them."""
+    return checkpointed_by_rows(partial(_head_losses, talker.code_predictor.lm_head), hidden, targets)
 
 
 def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3) -> LossOutput:
@@ -112,11 +138,9 @@ def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3
     frame_example, frame_index = batch.frame_index.unbind(1)
     past_hidden = hidden[frame_example, batch.frame_positions[frame_example, frame_index]]
     codes = batch.codes[frame_example, frame_index]  # (N_f, G)
-    predictor_logits = code_predictor_logits(talker, code_predictor_inputs(talker, past_hidden, codes)).float()
     predictor_targets = codes[:, 1:]
-    predictor_nll = F.cross_entropy(
-        predictor_logits.flatten(0, 1), predictor_targets.flatten(), reduction="none"
-    ).view_as(predictor_targets)
+    predictor_hidden = code_predictor_hidden(talker, code_predictor_inputs(talker, past_hidden, codes))
+    predictor_nll, predictor_predictions = predictor_losses(talker, predictor_hidden, predictor_targets)
 
     talker_loss = talker_nll.mean()
     codebook_losses = predictor_nll.mean(0)
@@ -132,7 +156,7 @@ def compute_loss(talker, batch: TalkerBatch, sub_talker_loss_weight: float = 0.3
         talker_targets=talker_targets,
         predictor_nll=predictor_nll,
         predictor_example=frame_example,
-        predictor_logits=predictor_logits,
+        predictor_predictions=predictor_predictions,
         predictor_targets=predictor_targets,
     )
 
@@ -147,7 +171,7 @@ def codebook_accuracy(out: LossOutput) -> tuple[Tensor, Tensor]:
     correct = torch.cat(
         [
             ((out.talker_logits.argmax(-1) == out.talker_targets) & talker_valid).sum()[None],
-            ((out.predictor_logits.argmax(-1) == out.predictor_targets) & predictor_valid).sum(0),
+            ((out.predictor_predictions == out.predictor_targets) & predictor_valid).sum(0),
         ]
     )
     counted = torch.cat([talker_valid.sum()[None], predictor_valid.sum(0)])

@@ -381,11 +381,12 @@ class Qwen3TTSModule(TrainAccuracyLogging):
             # sync_dist: validation's losses are the same on every rank (a checkpoint monitors them).
             self.log(f"{stage}/{name}", value, prog_bar=name == "loss", sync_dist=True, on_step=False, **once)
         metrics = [cast(MulticlassAccuracy, m) for m in cast(nn.ModuleList, self.accuracy[f"{stage}_acc"])]
-        pairs = [(out.talker_logits, out.talker_targets)] + [
-            (out.predictor_logits[:, j], out.predictor_targets[:, j]) for j in range(self.num_code_groups - 1)
+        # The talker's logits, the code predictor's top-1 codes (its logits are not kept: `loss`).
+        pairs = [(out.talker_logits.detach(), out.talker_targets)] + [
+            (out.predictor_predictions[:, j], out.predictor_targets[:, j]) for j in range(self.num_code_groups - 1)
         ]
-        for j, (metric, (logits, targets)) in enumerate(zip(metrics, pairs)):
-            metric.update(logits.detach(), targets)  # computed (and synced) by Lightning at epoch end
+        for j, (metric, (predicted, targets)) in enumerate(zip(metrics, pairs)):
+            metric.update(predicted, targets)  # computed (and synced) by Lightning at epoch end
             self.log(f"{stage}/acc_codebook_{j}", metric, on_step=False, **once)
         return out.loss
 

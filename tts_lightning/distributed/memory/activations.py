@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from tts_lightning.distributed import row_chunks
 from tts_lightning.distributed.memory.shapes import PREDICTOR_LAYER, TALKER_LAYER, _import_classes
 
-__all__ = ["LOGIT_BYTES", "PREDICTOR_LAYER_BYTES", "TALKER_LAYER_BYTES"]
+__all__ = ["HEAD_LOGIT_BYTES", "LOGIT_BYTES", "PREDICTOR_LAYER_BYTES", "PREDICTOR_TARGET_BYTES", "TALKER_LAYER_BYTES"]
 
 # Bytes saved for backward per token per decoder layer, as coefficients of
 # (H = hidden, A = heads * head_dim, KV = kv_heads * head_dim, I = intermediate), by compute dtype.
@@ -22,9 +22,14 @@ __all__ = ["LOGIT_BYTES", "PREDICTOR_LAYER_BYTES", "TALKER_LAYER_BYTES"]
 # SDPA saves the same q, k, v, output and logsumexp, with no sequence x sequence term.
 TALKER_LAYER_BYTES = {2: (16, 14, 6, 8), 4: (24, 24, 8, 16)}
 PREDICTOR_LAYER_BYTES = {2: (16, 10, 10, 8), 4: (24, 16, 16, 16)}
-# Logits: each one is kept as fp32 in the loss output (the module's accuracy metrics read it),
+# Talker logits: each one is kept as fp32 in the loss output (the module's accuracy metrics read it),
 # saved again as fp32 log-softmax by cross-entropy, and gets an fp32 gradient: 12 bytes.
 LOGIT_BYTES = 12
+# Code-predictor logits exist one block of `row_chunks.HEAD_ROWS` frames at a time (`loss.predictor_losses`);
+# while backward recomputes a block: its fp32 log-softmax, the incoming fp32 gradient, the fp32 and
+# bf16 gradients of the logits. Kept for the step: an fp32 NLL and an int64 top-1 code per target.
+HEAD_LOGIT_BYTES = 14
+PREDICTOR_TARGET_BYTES = 12
 
 
 def _layer_bytes(coef: tuple[int, ...], h: int, a: int, kv: int, i: int) -> int:
@@ -53,7 +58,10 @@ def _activation_bytes(
     a checkpointed layer is recomputed by blocks of ``PREDICTOR_ROWS`` frames,
     `tts_lightning.distributed.row_chunks`, so one block's full set is alive), the
     small_to_mtp_projection input (b*16*H, when it is a Linear), its final norm ((4+2b)*16*H_cp).
-    Logits: talker ``vocab`` per target and 15 x ``cp_vocab`` per frame, ``LOGIT_BYTES`` each.
+    Logits: talker ``vocab`` per target, ``LOGIT_BYTES`` each, and 15 x ``cp_vocab`` per frame of one
+    block of ``HEAD_ROWS`` frames, ``HEAD_LOGIT_BYTES`` each, and the heads' weight gradients, a
+    recomputation like a layer's (the heads' backward ends before the predictor layers' begins: the
+    larger of the two counts).
     """
     P = positions
     F = positions if frames is None else frames
@@ -72,6 +80,11 @@ def _activation_bytes(
         recompute = max(recompute, min(F, row_chunks.PREDICTOR_ROWS) * d["code_groups"] * cp_layer)
     else:
         predictor = cp_tokens * d["cp_layers"] * cp_layer
+    # With several blocks, the heads' weight gradients are summed in autograd's buffers until the last.
+    head_weights = d["cp_heads"] * d["cp_hidden"] * d["cp_vocab"] * b if F > row_chunks.HEAD_ROWS else 0
+    recompute = max(
+        recompute, min(F, row_chunks.HEAD_ROWS) * d["cp_heads"] * d["cp_vocab"] * HEAD_LOGIT_BYTES + head_weights
+    )
     other = (
         P * b * (d["text_hidden"] + 2 * d["text_intermediate"])
         + P * (4 + 2 * b) * d["hidden"]
@@ -79,7 +92,7 @@ def _activation_bytes(
         + cp_tokens * b * d["hidden"] * d["cp_projection"]
         + cp_tokens * (4 + 2 * b) * d["cp_hidden"]
     )
-    logits = LOGIT_BYTES * (targets * d["vocab"] + F * d["cp_heads"] * d["cp_vocab"])
+    logits = LOGIT_BYTES * targets * d["vocab"] + PREDICTOR_TARGET_BYTES * F * d["cp_heads"]
     return talker + predictor + recompute + other, logits
 
 
