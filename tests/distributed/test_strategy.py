@@ -340,12 +340,61 @@ def test_one_rank_predictor_blocks_of_rows_keep_loss_and_gradients(
         head_rows.clear()
         out = wrapped(batch)
         out.loss.backward()
-        results.append((out.loss.detach(), [p.grad.clone() for p in wrapped.parameters() if p.grad is not None]))
+        grads = [p.grad.clone() for p in wrapped.parameters() if p.grad is not None]
+        results.append((out.loss.detach(), grads, out.predictor_nll.detach(), out.predictor_predictions))
     # forward, then each block recomputed in backward, the last first
     assert rows_seen == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
     assert head_rows == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
-    (loss_one, grads_one), (loss_blocks, grads_blocks) = results
+    (loss_one, grads_one, nll_one, codes_one), (loss_blocks, grads_blocks, nll_blocks, codes_blocks) = results
     torch.testing.assert_close(loss_blocks, loss_one, rtol=1e-6, atol=0)
+    # Each frame's NLL and top-1 codes, in the frames' order (the mean would hide a reordering).
+    torch.testing.assert_close(nll_blocks, nll_one, rtol=1e-5, atol=1e-6)
+    assert torch.equal(codes_blocks, codes_one)
+    assert len(grads_blocks) == len(grads_one) > 0
+    for a, b in zip(grads_blocks, grads_one):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_one_rank_fsdp2_head_blocks_keep_loss_and_gradients(process_group, tiny_dir, batch, monkeypatch):
+    """Through the real FSDP2 layout (one gloo rank): the heads, root-unit parameters that FSDP2
+    frees after the forward, are gathered again before the backward recomputes their blocks of 16
+    frames; the loss, each frame's NLL and top-1 codes and every gradient are those of one block."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tts_lightning import Qwen3TTSModule
+    from tts_lightning.distributed import row_chunks
+    from tts_lightning.distributed.fsdp import import_classes
+    from tts_lightning.distributed.fsdp2 import DEFAULT_GROUPS, DEFAULT_LAYERS, apply_fully_shard
+
+    module = Qwen3TTSModule(str(tiny_dir), speakers=["alice", "bob"])
+    module.configure_model()
+    apply_fully_shard(
+        module,
+        module.model,
+        layer_classes=tuple(import_classes(list(DEFAULT_LAYERS))),
+        groups=DEFAULT_GROUPS,
+        checkpoint_classes=tuple(import_classes(list(DEFAULT_CHECKPOINT))),
+        mesh=init_device_mesh("cpu", (1,)),
+        reshard_after_forward=True,  # the strategy's default, passed to the root too
+    )
+    head = module.talker.code_predictor.lm_head[0]
+    head_rows: list[int] = []
+    head.register_forward_pre_hook(lambda m, args: head_rows.append(len(args[0])))
+    results = []
+    for rows in (10**6, 16):
+        monkeypatch.setattr(row_chunks, "PREDICTOR_ROWS", rows)
+        monkeypatch.setattr(row_chunks, "HEAD_ROWS", rows)
+        module.zero_grad(set_to_none=True)
+        head_rows.clear()
+        out = module(batch)
+        out.loss.backward()
+        grads = [p.grad.full_tensor() for p in module.parameters() if p.grad is not None]
+        results.append((out.loss.detach(), grads, out.predictor_nll.detach(), out.predictor_predictions))
+    assert head_rows == [16, 16, 16, 16, 1] + [1, 16, 16, 16, 16]
+    (loss_one, grads_one, nll_one, codes_one), (loss_blocks, grads_blocks, nll_blocks, codes_blocks) = results
+    torch.testing.assert_close(loss_blocks, loss_one, rtol=1e-6, atol=0)
+    torch.testing.assert_close(nll_blocks, nll_one, rtol=1e-5, atol=1e-6)
+    assert torch.equal(codes_blocks, codes_one)
     assert len(grads_blocks) == len(grads_one) > 0
     for a, b in zip(grads_blocks, grads_one):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

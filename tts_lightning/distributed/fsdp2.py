@@ -231,8 +231,8 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
         """The LightningModule's ``predict_step`` runs as an FSDP forward (registered in `_shard`:
         the root's own parameters gathered, the LightningModule the root state); the units gather
         and free their parameters around each call, on every rank in lockstep, as under FSDP1.
-        The root keeps its parameters gathered after a forward (for the backward of training):
-        free them after each predict step."""
+        Free the root's parameters after each predict step whatever ``reshard_after_forward``
+        says (torch keeps a root's gathered when it is left unset)."""
         from torch.distributed.fsdp import FSDPModule
 
         module = self.lightning_module

@@ -16,7 +16,9 @@ it, so gathers, hooks and parameter names are unchanged.
 
 The heads and their cross-entropy (`tts_lightning.model.loss.predictor_losses`) go the same way,
 without a strategy: `checkpointed_by_rows`, blocks of `HEAD_ROWS` frames. The heads are the root
-unit's parameters (both strategies), which stay gathered from the forward to the backward.
+unit's parameters under both strategies: FSDP1 keeps the root gathered from the forward to the
+backward; FSDP2 frees it after the forward (its ``reshard_after_forward``) and gathers it again
+before the backward reaches the heads (its pre-backward hook on the step's outputs).
 """
 
 from __future__ import annotations
@@ -74,10 +76,9 @@ def checkpointed_by_rows(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` by blocks of `HEAD_ROWS` rows (dimension 0 of every tensor argument with
     as many rows as the first), each block under `torch.utils.checkpoint` (nothing it computes is
     kept for backward but its outputs), the outputs concatenated; one call without gradients.
-    ``function`` must treat rows independently and draw no random numbers."""
-    return _by_rows(
-        lambda *a: checkpoint(function, *a, use_reentrant=False, preserve_rng_state=False), args, {}, HEAD_ROWS
-    )
+    ``function`` must treat rows independently. The random state is replayed in the recomputation
+    (checkpoint's default), so a dropout there (a LoRA adapter on a head) draws the same mask."""
+    return _by_rows(lambda *a: checkpoint(function, *a, use_reentrant=False), args, {}, HEAD_ROWS)
 
 
 def is_checkpointed_by_rows(module: nn.Module) -> bool:

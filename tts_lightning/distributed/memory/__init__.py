@@ -70,8 +70,10 @@ plan fit), `config` (`plan_from_config`: a `fit` config read by the real CLI).
 """
 
 from tts_lightning.distributed.memory.activations import (
+    HEAD_LOGIT_BYTES,
     LOGIT_BYTES,
     PREDICTOR_LAYER_BYTES,
+    PREDICTOR_TARGET_BYTES,
     TALKER_LAYER_BYTES,
     _activation_bytes,
     _checkpointed,
@@ -109,10 +111,12 @@ __all__ = [
     "FSDP2_GROUPS",
     "FSDP2_LAYERS",
     "LAYOUTS",
+    "HEAD_LOGIT_BYTES",
     "LOGIT_BYTES",
     "PRECISIONS",
     "PREDICTOR_LAYER",
     "PREDICTOR_LAYER_BYTES",
+    "PREDICTOR_TARGET_BYTES",
     "PRESETS",
     "SHARDINGS",
     "TALKER_LAYER",

@@ -27,7 +27,8 @@ PREDICTOR_LAYER_BYTES = {2: (16, 10, 10, 8), 4: (24, 16, 16, 16)}
 LOGIT_BYTES = 12
 # Code-predictor logits exist one block of `row_chunks.HEAD_ROWS` frames at a time (`loss.predictor_losses`);
 # while backward recomputes a block: its fp32 log-softmax, the incoming fp32 gradient, the fp32 and
-# bf16 gradients of the logits. Kept for the step: an fp32 NLL and an int64 top-1 code per target.
+# bf16 gradients of the logits (bf16 compute; ~12 in fp32). Kept for the step: an fp32 NLL and an
+# int64 top-1 code per target.
 HEAD_LOGIT_BYTES = 14
 PREDICTOR_TARGET_BYTES = 12
 
@@ -80,7 +81,8 @@ def _activation_bytes(
         recompute = max(recompute, min(F, row_chunks.PREDICTOR_ROWS) * d["code_groups"] * cp_layer)
     else:
         predictor = cp_tokens * d["cp_layers"] * cp_layer
-    # With several blocks, the heads' weight gradients are summed in autograd's buffers until the last.
+    # With several blocks, the heads' weight gradients are summed in autograd's buffers until the last
+    # (an upper bound: none when the heads are frozen, e.g. LoRA's defaults).
     head_weights = d["cp_heads"] * d["cp_hidden"] * d["cp_vocab"] * b if F > row_chunks.HEAD_ROWS else 0
     recompute = max(
         recompute, min(F, row_chunks.HEAD_ROWS) * d["cp_heads"] * d["cp_vocab"] * HEAD_LOGIT_BYTES + head_weights
