@@ -394,6 +394,9 @@ def test_predict_writes_24khz_wavs(tiny_dir, make_datamodule, tmp_path):
 
     with pytest.raises(ValueError, match="unknown speaker"):
         module.predict_step({"text": ["Hi."], "speaker": ["carol"]}, 0)
+    typo = r"speaker\(s\) 'Bob' \(did you mean 'bob'\?\); this model speaks as alice, bob$"
+    with pytest.raises(ValueError, match=typo):
+        module.predict_step({"text": ["Hi."], "speaker": ["Bob"]}, 0)
     module.speaker_embeddings[1].zero_()
     with pytest.raises(ValueError, match="no embedding"):
         module.predict_step({"text": ["Hi."], "speaker": ["bob"]}, 0)
@@ -655,10 +658,10 @@ def test_a_run_of_many_speakers_samples_a_spread_of_them(tiny_dir):
     module.speaker_embeddings.fill_(1.0)  # every speaker has an embedding
     said: list[str] = []
 
-    def facts(max_speakers):
+    def facts(max_speakers, speakers=None):
         return SpeakerFacts(
             language=None,
-            speakers=None,
+            speakers=speakers,
             max_speakers=max_speakers,
             max_new_tokens=24,
             limit_factor=3.0,
@@ -672,5 +675,12 @@ def test_a_run_of_many_speakers_samples_a_spread_of_them(tiny_dir):
         "p017): name others with `speakers`, or raise `max_speakers`"
     ]
     assert facts(None).speaker_rows(SimpleNamespace(), module)[0] == names
+    # Named speakers the run lacks: said in one short line, with the name probably meant.
+    said.clear()
+    assert facts(8, ["p001", "P003", "carol"]).speaker_rows(SimpleNamespace(), module)[0] == ["p001"]
+    assert said == [
+        "SpeakerSamplesCallback: speakers 'P003' (did you mean 'p003'?), 'carol' are not in this run (p000, p001, "
+        "p002, p003, p004, p005, p006, p007 and 12 more)"
+    ]
     with pytest.raises(ValueError, match="max_speakers"):
         SpeakerSamplesCallback(max_speakers=0)

@@ -322,6 +322,8 @@ def test_errors_name_the_manifest_and_the_speaker(tiny_dir, prepared, tmp_path):
     with pytest.raises(ValueError, match=r"'carol' are not named by .*train\.jsonl \(its speakers: alice, bob\)"):
         make(tiny_dir, prepared, speakers=["alice", "carol"]).preparer.check_requested_speakers()
     make(tiny_dir, prepared, speakers=["bob"]).preparer.check_requested_speakers()
+    with pytest.raises(ValueError, match=r"'Bob' \(did you mean 'bob'\?\) are not named by"):  # names are exact
+        make(tiny_dir, prepared, speakers=["Bob"]).preparer.check_requested_speakers()
 
 
 def test_a_speaker_left_without_clips_is_explained_and_an_unknown_language_rejects_one_clip(

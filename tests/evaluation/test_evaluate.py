@@ -220,7 +220,7 @@ def test_evaluate_fails_clearly(finetuned, tiny_dir, tiny_custom_voice_dir, held
 
     assert run("--model", voice, "--base", tiny_dir, "--speaker", "carol", *common) == 2
     err = capsys.readouterr().err
-    assert "unknown speaker(s) ['carol']" in err and "share ['alice', 'bob']" in err
+    assert "unknown speaker(s) 'carol':" in err and "share alice, bob" in err
 
     assert run("--model", voice, "--base", tiny_custom_voice_dir, *common) == 2
     err = capsys.readouterr().err

@@ -43,6 +43,7 @@ from tts_lightning.model.custom_voice import is_custom_voice, speaker_codec_ids,
 from tts_lightning.model.layouts import Reference, SequenceLayout, check_custom_voice_layout
 from tts_lightning.model.pretrained import PretrainedInfo, load_text_tokenizer
 from tts_lightning.model.sequence import SpecialIds, tokenize_texts
+from tts_lightning.names import some_names, unknown_names
 
 
 class DistributedSamplerError(RuntimeError):
@@ -421,7 +422,10 @@ class SpeakerClipsDataModule(LightningDataModule):
         speakers = list(self.predict_speakers or self.speaker_names)
         unknown = sorted(set(speakers) - set(self.speaker_names))
         if unknown:
-            raise ValueError(f"predict_speakers {unknown} are not speakers of this run {self.speaker_names}")
+            raise ValueError(
+                f"predict_speakers {unknown_names(unknown, self.speaker_names)} are not speakers of this run "
+                f"({some_names(self.speaker_names)})"
+            )
         world, rank = self._replicas()
         layout, references = generation_layout(self, speakers)  # spoken in the layout trained
         dataset = TextsDataset(

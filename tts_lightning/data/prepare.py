@@ -59,6 +59,7 @@ from tts_lightning.files import atomic_write_json
 from tts_lightning.model.custom_voice import check_instructs, is_custom_voice
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 from tts_lightning.model.sequence import SpecialIds
+from tts_lightning.names import some_names, unknown_names
 
 __all__ = ["DataPreparer", "Plan", "Prepared", "PreparedIndex", "PrepareSettings", "default_cache_dir"]
 
@@ -141,8 +142,8 @@ class DataPreparer:
         missing = [name for name in self.settings.speakers if name not in known]
         if missing:
             raise ValueError(
-                f"speaker(s) {', '.join(map(repr, missing))} are not named by {self.settings.train_manifest} "
-                f"(its speakers: {', '.join(known) or 'none'})"
+                f"speaker(s) {unknown_names(missing, known)} are not named by {self.settings.train_manifest} "
+                f"(its speakers: {some_names(known) or 'none'})"
             )
 
     # -- the whole job ------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def prepare_command(argv: list[str]) -> int:
         print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())
     print(f"report: {data.report_path}")
-    from tts_lightning.data.selection import some_names
+    from tts_lightning.names import some_names
 
     speakers = data.speaker_names
     print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {some_names(speakers)})")

@@ -18,6 +18,7 @@ from tts_lightning.data.codec_cache import SAMPLES_PER_FRAME, CodecCache
 from tts_lightning.data.manifest import ManifestResult, Rejection
 from tts_lightning.data.validation import AcceptedClip, ValidationReport
 from tts_lightning.model.sequence import SpecialIds
+from tts_lightning.names import some_names
 
 
 @dataclass
@@ -64,11 +65,6 @@ def split_validation(clips: list[AcceptedClip], val_fraction: float, seed: int) 
     for speaker, own in by_speaker.items():
         chosen.update(c.content_hash for c in sorted(own, key=lambda c: rank(c.content_hash))[: quota[speaker]])
     return chosen
-
-
-def some_names(names: list[str], shown: int = 8) -> str:
-    """The first ``shown`` of ``names``, the rest counted: a line that stays short for 100 speakers."""
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def unvalidated_notice(

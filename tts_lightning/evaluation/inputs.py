@@ -17,6 +17,7 @@ import numpy as np
 
 from tts_lightning.errors import UserError
 from tts_lightning.metrics.speech import seconds_per_character, text_characters
+from tts_lightning.names import some_names, unknown_names
 
 SAMPLE_RATE = 24_000
 DEFAULT_TEXTS = (
@@ -167,14 +168,15 @@ def choose_speakers(index: dict, index_file: Path, model_dir: Path, speakers: Se
         unknown = [s for s in speakers if s not in available]
         if unknown:
             raise EvaluationError(
-                f"unknown speaker(s) {unknown}: the fine-tuned model and the data ({index_file}) share "
-                f"{available or 'none'} (model: {sorted(model_speakers)}, data: {data_speakers})"
+                f"unknown speaker(s) {unknown_names(unknown, available)}: the fine-tuned model and the data "
+                f"({index_file}) share {some_names(available) or 'none'} (model: {some_names(sorted(model_speakers))}; "
+                f"data: {some_names(data_speakers)})"
             )
         return list(speakers)
     if not available:
         raise EvaluationError(
-            f"the fine-tuned model's speakers {sorted(model_speakers)} are not in the "
-            f"data ({index_file}: {data_speakers}): give the run's data, --prepared <its data.cache_dir> "
+            f"the fine-tuned model's speakers ({some_names(sorted(model_speakers))}) are not in the "
+            f"data ({index_file}: {some_names(data_speakers)}): give the run's data, --prepared <its data.cache_dir> "
             "or --config <the config.yaml its fit saved beside its TensorBoard logs>"
         )
     return available

@@ -46,6 +46,7 @@ from tts_lightning.model.pretrained import check_pretrained, load_speech_tokeniz
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, check_blocks, split_text_embedding
 from tts_lightning.model.sequence import IGNORE_INDEX, TalkerBatch, tokenize_text
 from tts_lightning.model.train_accuracy import CodebookEpochValue, EpochAccuracy, TrainAccuracyLogging
+from tts_lightning.names import some_names, unknown_names
 
 
 @dataclass(frozen=True)
@@ -461,7 +462,10 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         rows = {name: i for i, name in enumerate(self.speakers)}
         unknown = sorted({s for s in batch.speakers if s not in rows})
         if unknown:
-            raise ConfigError(f"unknown speaker(s) {unknown}; this model speaks as {self.speakers}")
+            raise ConfigError(
+                f"unknown speaker(s) {unknown_names(unknown, self.speakers)}; "
+                f"this model speaks as {some_names(self.speakers)}"
+            )
         table = self.speaker_embeddings
         index = torch.tensor([rows[s] for s in batch.speakers], dtype=torch.long, device=table.device)
         embeddings = table[index].float()

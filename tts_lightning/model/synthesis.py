@@ -12,6 +12,7 @@ import torch
 
 from tts_lightning.errors import UserError
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
+from tts_lightning.names import some_names, unknown_names
 
 
 class SynthesisError(UserError, ValueError):
@@ -69,10 +70,14 @@ def check_request(
         raise SynthesisError(f"--ref-text clones in ICL mode, which needs a base model; {info.path} is not one")
     if info.tts_model_type == "custom_voice":
         if not speaker:
-            raise SynthesisError(f"{info.path} is a custom_voice model: pass --speaker, one of {sorted(info.speakers)}")
-        if speaker.lower() not in info.speakers:
             raise SynthesisError(
-                f"--speaker {speaker!r} is not a speaker of {info.path}; it has {sorted(info.speakers)}"
+                f"{info.path} is a custom_voice model: pass --speaker, one of {some_names(sorted(info.speakers))}"
+            )
+        if speaker.lower() not in info.speakers:
+            known = sorted(info.speakers)
+            raise SynthesisError(
+                f"--speaker {unknown_names([speaker], known)} is not a speaker of {info.path}; "
+                f"it has {some_names(known)}"
             )
     elif info.tts_model_type == "base":
         if ref_audio is None:
