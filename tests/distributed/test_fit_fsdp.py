@@ -99,17 +99,34 @@ def test_seeded_run_matches_the_golden_losses(fitted):
         assert val[step] == pytest.approx(value, rel=1e-4), ("val/loss", step)
 
 
-def test_load_from_checkpoint_reads_the_sharded_checkpoint(fitted):
+def test_load_from_checkpoint_reads_the_sharded_checkpoint(fitted, monkeypatch):
     """`Qwen3TTSModule.load_from_checkpoint` of a sharded (folder) checkpoint gives the module
-    every tensor the checkpoint holds, exactly."""
+    every tensor the checkpoint holds, exactly, read a group of tensors at a time (not a second
+    copy of the whole state)."""
     from tts_lightning import Qwen3TTSModule
+    from tts_lightning.model import module as module_file
+    from tts_lightning.model.checkpoint import CheckpointReader
     from tts_lightning.model.row_blocks import official_state
 
     ckpt = final_weights(fitted[0])
     newest = newest_last(fitted[0])
     assert newest.is_dir()
+    limit = 2**16
+    monkeypatch.setattr(module_file, "LOAD_BYTES", limit)
+    reads: list[int] = []  # bytes of each read
+    original = CheckpointReader.read
+
+    def read(self, keys, dtype=None):
+        values = original(self, keys, dtype)
+        reads.append(sum(v.numel() * v.element_size() for v in values.values()))
+        return values
+
+    monkeypatch.setattr(CheckpointReader, "read", read)
     # the module holds the text embedding as row blocks; the reader gives the official layout
     state = official_state(Qwen3TTSModule.load_from_checkpoint(newest).state_dict())
+    largest = max(v.numel() * v.element_size() for v in ckpt.state_dict.values())
+    assert len(reads) > 1 and max(reads) <= max(limit, largest), reads
+    assert sum(reads) == sum(v.numel() * v.element_size() for v in ckpt.state_dict.values())  # each tensor once
     assert set(ckpt.state_dict) == set(state)
     for key, value in ckpt.state_dict.items():
         assert torch.equal(state[key], value), key

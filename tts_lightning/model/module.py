@@ -68,6 +68,24 @@ warnings.filterwarnings(
 )
 
 
+# `Qwen3TTSModule.load_from_checkpoint` reads a sharded checkpoint's tensors in groups of this many
+# bytes: the 1.7B's fp32 state is 7.2 GiB, held once (the model) plus one group, not twice.
+LOAD_BYTES = 2**28
+
+
+def _groups_of_bytes(keys: Sequence[str], nbytes: Any, limit: int) -> list[list[str]]:
+    """``keys`` in order, in groups of at most ``limit`` bytes (``nbytes(key)``; a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key in keys:
+        if groups[-1] and size + nbytes(key) > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes(key)
+    return [g for g in groups if g]
+
+
 class Qwen3TTSModule(TrainAccuracyLogging):
     """Talker + code-predictor fine-tuning with the loss of `tts_lightning.model.loss`.
 
@@ -268,8 +286,9 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         **kwargs: Any,
     ) -> Qwen3TTSModule:
         """Lightning's, plus the sharded checkpoints (folders) the FSDP strategies write: their module
-        tensors are read by key on the CPU (never the optimizer state); a LoRA checkpoint's frozen
-        base comes from the pretrained directory, as in training."""
+        tensors are read by key on the CPU (never the optimizer state), `LOAD_BYTES` at a time
+        (the model and one group in memory, not a second copy of the state); a LoRA checkpoint's
+        frozen base comes from the pretrained directory, as in training."""
         if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_dir():
             return super().load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
@@ -283,9 +302,17 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         stored = {k: v for k, v in reader.hyper_parameters.items() if k in accepted}
         module = cls(**{**stored, **kwargs})  # an unknown keyword fails here, as in Lightning
         module.configure_model()
-        state = reader.read(reader.tensor_keys())
-        module.on_load_checkpoint({"state_dict": state})  # a LoRA checkpoint must hold every trainable tensor
-        missing, unexpected = module.load_state_dict(state, strict=False)
+        keys = reader.tensor_keys()
+        # A LoRA checkpoint must hold every trainable tensor (the keys are what is checked).
+        module.on_load_checkpoint({"state_dict": dict.fromkeys(keys)})
+        never_loaded: set[str] | None = None
+        unexpected: list[str] = []
+        for group in _groups_of_bytes(keys, lambda k: reader.numel(k) * reader.dtype(k).itemsize, LOAD_BYTES):
+            result = module.load_state_dict(reader.read(group), strict=False)
+            unexpected += result.unexpected_keys
+            # missing from every group: never loaded
+            never_loaded = set(result.missing_keys) if never_loaded is None else never_loaded & set(result.missing_keys)
+        missing = sorted(never_loaded or ())
         strict = module.strict_loading if strict is None else strict
         if unexpected or (strict and missing):
             raise KeyError(
