@@ -144,6 +144,24 @@ def test_advice_names_a_leaner_optimizer_before_more_gpus_or_offload():
     assert not any("model.optimizer" in a for a in lora.advice), lora.advice
 
 
+def test_advice_says_when_the_optimizer_fits_without_the_freeze_before_it():
+    """0.6B on one 8 GB card: the advice freezes the text embedding first, then reaches
+    bf16_sr_adamw8bit; that optimizer alone fits too, with everything trained: said, as an 'or'."""
+    plan = plan_memory("0.6b", **{**BASE, "gpus": 1, "gpu_memory_gb": 8})
+    alone = plan_memory("0.6b", **{**BASE, "gpus": 1, "gpu_memory_gb": 8, "optimizer": "bf16_sr_adamw8bit"})
+    assert alone.fits and not plan.fits
+    assert plan.advice[0].startswith(f"freeze {TEXT_EMBEDDING}") and plan.advice[-2].endswith("(fits)")
+    assert plan.advice[-1] == (
+        f"or, {TEXT_EMBEDDING} trained too (not frozen), model.optimizer bf16_sr_adamw8bit: "
+        f"{alone.total / 2**30:.1f} GiB per GPU (fits)"
+    )
+    # Already frozen by the user: nothing to add.
+    frozen = plan_memory(
+        "0.6b", **{**BASE, "gpus": 1, "gpu_memory_gb": 8, "freeze": ["speaker_encoder", TEXT_EMBEDDING]}
+    )
+    assert not any(a.startswith("or, ") for a in frozen.advice), frozen.advice
+
+
 def test_freezing_text_embedding_and_cpu_offload():
     base = plan_memory("1.7b", **BASE)
     frozen = plan_memory("1.7b", **BASE, freeze=["speaker_encoder", TEXT_EMBEDDING])

@@ -58,6 +58,7 @@ def advise(plan: Plan, settings: PlanSettings, plan_for: Callable[[PlanSettings]
         )
     ):
         return advice
+    trained_text = settings.freeze  # before the advice freezes the text embedding, if it does
     if (
         settings.adapter is None
         and not matches(TEXT_EMBEDDING + ".weight", settings.freeze)
@@ -79,6 +80,12 @@ def advise(plan: Plan, settings: PlanSettings, plan_for: Callable[[PlanSettings]
             precision = "bf16-mixed" if bf16 else settings.precision
             also = " and trainer.precision bf16-mixed" if precision != settings.precision else ""
             if attempt(f"use model.optimizer {name}{also} ({what})", optimizer=name, precision=precision):
+                # The optimizer may make it fit without the freeze advised before it.
+                if settings.freeze != trained_text and (alone := plan_for(replace(settings, freeze=trained_text))).fits:
+                    advice.append(
+                        f"or, {TEXT_EMBEDDING} trained too (not frozen), model.optimizer {name}: "
+                        f"{alone.total / GiB:.1f} GiB per GPU (fits)"
+                    )
                 return advice
     # More GPUs: an alternative, not applied to the steps that follow.
     for n in (2, 4, 8, 16, 32, 64, 128):

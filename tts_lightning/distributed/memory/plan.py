@@ -238,7 +238,8 @@ def _plan(name: str, config: dict, settings: PlanSettings, *, tokenizer: int, as
                 f"samples: rank 0 gathers the weights to host memory first "
                 f"({value_bytes(settings.optimizer) * shape.numel / GiB:.1f} GiB of RAM, released as the copy is made)"
             )
-        total = max(total, samples_total)
+        if samples_total > total:
+            total, step["phase"] = samples_total, "rank 0's samples after validation, below"
     startup, save, host_save, resume = _checkpoint_phases(shape, settings, states)
     if settings.full_checkpoints and not settings.cpu_offload:
         # Lightning gathers a full checkpoint into rank 0's host memory; FSDP1's resume reads the
