@@ -94,6 +94,35 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
+_ctrl_c = threading.Event()  # set by `_note_ctrl_c` when Ctrl-C reaches this process
+
+
+def _note_ctrl_c(signum, frame) -> None:
+    _ctrl_c.set()
+    signal.default_int_handler(signum, frame)  # Python's own: KeyboardInterrupt
+
+
+def _stopped_by_ctrl_c(error: BaseException) -> bool:
+    """Whether ``error`` is Ctrl-C or what followed it: Lightning exits after its own graceful stop
+    (its SystemExit's context), torch's distributed checkpoint code wraps the KeyboardInterrupt of a
+    save or read in its CheckpointException (``failures``: rank -> (exception, trace)), and a
+    process waiting in a collective when Ctrl-C came sees its stopped peer's closed connection (a
+    RuntimeError) before its own KeyboardInterrupt: then only the noted signal tells."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        failures = getattr(exc, "failures", None)
+        wrapped = failures.values() if isinstance(failures, dict) else ()
+        todo += [exc.__cause__, exc.__context__, *(f[0] for f in wrapped if isinstance(f, tuple) and f)]
+    return _ctrl_c.is_set()
+
+
 def _stoppable(command: str, run: Callable[[], int]) -> int:
     """A tool stopped by Ctrl-C or SIGTERM: its cleanup runs, then one line (no traceback) and the
     status a shell gives such a stop (130, 143). What it finished stays; a rerun continues."""
@@ -101,8 +130,13 @@ def _stoppable(command: str, run: Callable[[], int]) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return run()
-    except (KeyboardInterrupt, _Terminated) as stop:
-        how = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else "SIGTERM"
+    except BaseException as stop:
+        if isinstance(stop, _Terminated):
+            how = "SIGTERM"
+        elif not isinstance(stop, SystemExit) and _stopped_by_ctrl_c(stop):
+            how = "Ctrl-C"
+        else:
+            raise
         print(f"tts-lightning {command}: stopped by {how}; what it finished is kept", file=sys.stderr)
         return STOPPED_BY_CTRL_C if how == "Ctrl-C" else STOPPED_BY_SIGTERM
     finally:
@@ -116,6 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     console.install()  # known third-party noise off the console (see tts_lightning/console.py)
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    _ctrl_c.clear()
+    noting = threading.current_thread() is threading.main_thread()
+    noting = noting and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if noting:
+        signal.signal(signal.SIGINT, _note_ctrl_c)
+    try:
+        return _route(argv, from_command_line)
+    finally:
+        if noting and signal.getsignal(signal.SIGINT) is _note_ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _route(argv: list[str], from_command_line: bool) -> int:
     if argv and argv[0] in TOOLS:
         return _stoppable(argv[0], lambda: report_errors(argv[0], lambda: TOOLS[argv[0]](argv[1:])))
     if argv and argv[0] in LIGHTNING_COMMANDS:
@@ -143,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                 cli_main(None if from_command_line else argv)
             except SIGTERMException:  # a SystemExit without a status: it would exit 0
                 return stopped("SIGTERM", STOPPED_BY_SIGTERM)
-            except SystemExit as exit_:
-                # Lightning's own stop on Ctrl-C: its graceful shutdown, then sys.exit(1).
-                if isinstance(exit_.__context__, KeyboardInterrupt):
+            except BaseException as error:
+                # Lightning's own stop on Ctrl-C (its graceful shutdown, then sys.exit(1)), Ctrl-C
+                # before its Trainer runs (start-up), or an error that followed it (a checkpoint
+                # being written or read, a collective): `_stopped_by_ctrl_c`.
+                if _stopped_by_ctrl_c(error):
                     return stopped("Ctrl-C", STOPPED_BY_CTRL_C)
                 raise
             return 0

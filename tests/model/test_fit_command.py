@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 from lightning.pytorch import Callback
 
 from tts_lightning.__main__ import main
@@ -79,6 +80,72 @@ def test_ctrl_c_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, c
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
     said = "tts-lightning fit: stopped by Ctrl-C before the end; the checkpoints written so far are kept: resume with"
     assert f"{said} --ckpt_path last\n" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while torch's distributed checkpoint writes the first checkpoint: torch wraps the
+    KeyboardInterrupt in its CheckpointException (a BaseException Lightning passes on): still the
+    one line and status 130, not a traceback; no checkpoint of that step is visible."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert main(_fit_args(tiny_dir, demo_data, tmp_path / "run")) == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    err = capsys.readouterr().err
+    assert "tts-lightning fit: stopped by Ctrl-C before the end;" in err and "Traceback" not in err
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+
+
+def test_ctrl_c_before_training_starts_is_one_line(monkeypatch, capsys):
+    """Ctrl-C while the command still starts (parsing the config, importing): the same line."""
+    import tts_lightning.cli
+
+    def starting(args=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tts_lightning.cli, "cli_main", starting)
+    assert main(["fit", "--config", str(TINY_CPU)]) == 130
+    assert "tts-lightning fit: stopped by Ctrl-C before the end;" in capsys.readouterr().err
+
+
+def test_an_error_after_ctrl_c_is_the_stop_and_without_it_a_bug(monkeypatch, capsys):
+    """A process waiting in a collective when Ctrl-C comes sees its stopped peer's closed connection
+    (a RuntimeError, no KeyboardInterrupt in it) first: the signal the command noted says it was
+    Ctrl-C. The same error without Ctrl-C is a bug: its traceback."""
+    import os
+    import time
+
+    import tts_lightning.__main__ as entry
+
+    def collective(argv):
+        interrupted = False
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the real signal, through the command's handler
+            time.sleep(5)
+        except KeyboardInterrupt:
+            interrupted = True
+        if interrupted:  # raised outside the except block: nothing links it to the interrupt
+            raise RuntimeError("[gloo] Connection closed by peer")
+        return 0
+
+    monkeypatch.setitem(entry.TOOLS, "export", collective)
+    assert main(["export"]) == 130
+    assert "tts-lightning export: stopped by Ctrl-C; what it finished is kept" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+    def failing(argv):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setitem(entry.TOOLS, "export", failing)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        main(["export"])
 
 
 def test_the_checkpoint_callback_keeps_model_checkpoints_state_key():
