@@ -164,7 +164,9 @@ def prepare_command(argv: list[str]) -> int:
         if rest:
             raise exc.with_remaining(rest) from exc
         raise
-    if cfg.verify:
+    if cfg.verify and not checked:
+        print("verify: no codes were cached before this prepare (it encoded them now)")
+    elif cfg.verify:
         print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())
     print(f"report: {data.report_path}")
