@@ -8,6 +8,7 @@ reports every command's errors in one place: a user error as one message with ex
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -102,12 +103,14 @@ def _note_ctrl_c(signum, frame) -> None:
     signal.default_int_handler(signum, frame)  # Python's own: KeyboardInterrupt
 
 
-def _stopped_by_ctrl_c(error: BaseException) -> bool:
-    """Whether ``error`` is Ctrl-C or what followed it: Lightning exits after its own graceful stop
-    (its SystemExit's context), torch's distributed checkpoint code wraps the KeyboardInterrupt of a
-    save or read in its CheckpointException (``failures``: rank -> (exception, trace)), and a
-    process waiting in a collective when Ctrl-C came sees its stopped peer's closed connection (a
-    RuntimeError) before its own KeyboardInterrupt: then only the noted signal tells."""
+def _stopped_by_ctrl_c(error: BaseException) -> str | None:
+    """Whether ``error`` is Ctrl-C or what followed it, as the words to add to the stop line (""
+    when none are needed), else None. Lightning exits after its own graceful stop (its SystemExit's
+    context), torch's distributed checkpoint code wraps the KeyboardInterrupt of a save or read in
+    its CheckpointException (``failures``: rank -> (exception, trace)), and a process waiting in a
+    collective when Ctrl-C came sees its stopped peer's closed connection (a RuntimeError) before
+    its own KeyboardInterrupt: then only the noted signal tells, and the error is named (it could
+    be a bug of the shutdown; ``TTS_LIGHTNING_TRACEBACK=1`` shows its traceback)."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [error]
     while todo:
@@ -116,11 +119,18 @@ def _stopped_by_ctrl_c(error: BaseException) -> bool:
             continue
         seen.add(id(exc))
         if isinstance(exc, KeyboardInterrupt):
-            return True
+            return ""
         failures = getattr(exc, "failures", None)
         wrapped = failures.values() if isinstance(failures, dict) else ()
         todo += [exc.__cause__, exc.__context__, *(f[0] for f in wrapped if isinstance(f, tuple) and f)]
-    return _ctrl_c.is_set()
+    if (
+        not _ctrl_c.is_set()
+        or isinstance(error, SystemExit)
+        or os.environ.get("TTS_LIGHTNING_TRACEBACK", "") not in ("", "0")
+    ):
+        return None
+    first_line = (str(error).splitlines() or [""])[0]
+    return f" (then {type(error).__name__}: {first_line})"
 
 
 def _stoppable(command: str, run: Callable[[], int]) -> int:
@@ -133,12 +143,12 @@ def _stoppable(command: str, run: Callable[[], int]) -> int:
     except BaseException as stop:
         if isinstance(stop, _Terminated):
             how = "SIGTERM"
-        elif not isinstance(stop, SystemExit) and _stopped_by_ctrl_c(stop):
-            how = "Ctrl-C"
+        elif (then := _stopped_by_ctrl_c(stop)) is not None:
+            how = f"Ctrl-C{then}"
         else:
             raise
         print(f"tts-lightning {command}: stopped by {how}; what it finished is kept", file=sys.stderr)
-        return STOPPED_BY_CTRL_C if how == "Ctrl-C" else STOPPED_BY_SIGTERM
+        return STOPPED_BY_SIGTERM if how == "SIGTERM" else STOPPED_BY_CTRL_C
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _route(argv, from_command_line)
     finally:
+        _ctrl_c.clear()
         if noting and signal.getsignal(signal.SIGINT) is _note_ctrl_c:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -194,8 +205,8 @@ def _route(argv: list[str], from_command_line: bool) -> int:
                 # Lightning's own stop on Ctrl-C (its graceful shutdown, then sys.exit(1)), Ctrl-C
                 # before its Trainer runs (start-up), or an error that followed it (a checkpoint
                 # being written or read, a collective): `_stopped_by_ctrl_c`.
-                if _stopped_by_ctrl_c(error):
-                    return stopped("Ctrl-C", STOPPED_BY_CTRL_C)
+                if (then := _stopped_by_ctrl_c(error)) is not None:
+                    return stopped(f"Ctrl-C{then}", STOPPED_BY_CTRL_C)
                 raise
             return 0
 

@@ -142,7 +142,7 @@ def test_prepare_verify_reads_back_the_whole_cache(tiny_dir, clips_manifest, tmp
         "0.2",
     ]
     assert prepare_command([*args, "--verify"]) == 0  # a fresh cache: nothing to read back yet, said so
-    assert "verify: no codes were cached before this prepare (it encoded them now)" in capsys.readouterr().out
+    assert "verify: nothing was cached before this prepare" in capsys.readouterr().out
     index = json.loads((tmp_path / "cache" / "prepared.json").read_text())
     files = [tmp_path / "cache" / e["codes"] for e in index["clips"]]
     originals = {f: f.read_bytes() for f in files}

@@ -432,6 +432,12 @@ def test_samples_phase_is_planned(tiny_dir):
     assert mid.samples_total == sampled.samples_total + plain.gradients
     assert sampled.total == max(plain.total, sampled.samples_total)
     assert "samples" in sampled.table()
+    # LoRA on one card: the samples (a bf16 copy beside the frozen base) are the peak, and named so.
+    lora = plan_memory(
+        "1.7b", **{**BASE, "gpus": 1}, adapter={"rank": 16}, samples=True, sample_rows=4, sample_frames=600
+    )
+    assert lora.total == lora.samples_total and lora.peak_phase.startswith("rank 0's samples")
+    assert sampled.peak_phase.startswith("start of backward")  # 4 GPUs: the step is
     config = plan_from_config("configs/qwen3-tts-1.7b-4x16gb.yaml", 16)
     assert config.samples and config.samples_cache > 0
 

@@ -165,7 +165,7 @@ def prepare_command(argv: list[str]) -> int:
             raise exc.with_remaining(rest) from exc
         raise
     if cfg.verify and not checked:
-        print("verify: no codes were cached before this prepare (it encoded them now)")
+        print("verify: nothing was cached before this prepare")
     elif cfg.verify:
         print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())

@@ -287,8 +287,10 @@ class Qwen3TTSModule(TrainAccuracyLogging):
     ) -> Qwen3TTSModule:
         """Lightning's, plus the sharded checkpoints (folders) the FSDP strategies write: their module
         tensors are read by key on the CPU (never the optimizer state), `LOAD_BYTES` at a time
-        (the model and one group in memory, not a second copy of the state); a LoRA checkpoint's
-        frozen base comes from the pretrained directory, as in training."""
+        (the model and one group in memory, not a second copy of the state; the text embedding,
+        read as its blocks and joined, is briefly held twice); a LoRA checkpoint's frozen base
+        comes from the pretrained directory, as in training. ``on_load_checkpoint`` sees the
+        checkpoint's keys (its values are read afterwards, by groups)."""
         if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_dir():
             return super().load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs

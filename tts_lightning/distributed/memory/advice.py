@@ -83,7 +83,7 @@ def advise(plan: Plan, settings: PlanSettings, plan_for: Callable[[PlanSettings]
                 # The optimizer may make it fit without the freeze advised before it.
                 if settings.freeze != trained_text and (alone := plan_for(replace(settings, freeze=trained_text))).fits:
                     advice.append(
-                        f"or, {TEXT_EMBEDDING} trained too (not frozen), model.optimizer {name}: "
+                        f"or, {TEXT_EMBEDDING} trained too (not frozen), model.optimizer {name}{also}: "
                         f"{alone.total / GiB:.1f} GiB per GPU (fits)"
                     )
                 return advice
