@@ -22,13 +22,7 @@ from tts_lightning.data.datamodule import SpeakerClipsDataModule
 from tts_lightning.distributed.atomic import remove_half_written
 from tts_lightning.errors import ConfigError
 from tts_lightning.model.module import Qwen3TTSModule
-from tts_lightning.resume_path import (
-    LAST,
-    REQUEUE_PREFIX,
-    best_checkpoint,
-    check_checkpoint,
-    newest_checkpoint,
-)
+from tts_lightning.resume_path import LAST, REQUEUE_PREFIX, best_checkpoint, check_checkpoint, newest_checkpoint
 
 
 def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tts_lightning.names import some_names
+
 DATA_CLASS = "tts_lightning.data.datamodule.SpeakerClipsDataModule"
 
 
@@ -170,8 +172,6 @@ def prepare_command(argv: list[str]) -> int:
         print(f"verified {checked} cached codes file(s): {bad} bad" + (", encoded again" if bad else ""))
     print(report.summary())
     print(f"report: {data.report_path}")
-    from tts_lightning.names import some_names
-
     speakers = data.speaker_names
     print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {some_names(speakers)})")
     return 0

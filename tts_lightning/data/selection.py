@@ -73,7 +73,6 @@ def unvalidated_notice(
     """One line on the run's ``speakers`` that have no validation clip, why, and the smallest
     ``val_fraction`` (to 0.01, up to 0.5) that would reach them (``clips``: the run's accepted
     clips, validation ones included); names past the eighth are counted."""
-
     if val_manifest:
         return f"no validation clips of {some_names(speakers)} in {val_manifest}: val/loss does not measure them"
     count = Counter(c.record.speaker for c in clips)

@@ -75,15 +75,15 @@ LOAD_BYTES = 2**28
 
 def _groups_of_bytes(keys: Sequence[str], nbytes: Any, limit: int) -> list[list[str]]:
     """``keys`` in order, in groups of at most ``limit`` bytes (``nbytes(key)``; a larger tensor alone)."""
-    groups: list[list[str]] = [[]]
+    groups: list[list[str]] = []
     size = 0
     for key in keys:
-        if groups[-1] and size + nbytes(key) > limit:
+        if not groups or size + nbytes(key) > limit:
             groups.append([])
             size = 0
         groups[-1].append(key)
         size += nbytes(key)
-    return [g for g in groups if g]
+    return groups
 
 
 class Qwen3TTSModule(TrainAccuracyLogging):
