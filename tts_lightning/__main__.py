@@ -182,15 +182,14 @@ def _route(argv: list[str], from_command_line: bool) -> int:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
             from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-            from tts_lightning.cli import cli_main
-
-            kept = "the checkpoints written so far are kept: resume with --ckpt_path last"
-            if argv[0] == "predict":
-                kept = "the files written so far are kept"
-            elif argv[0] != "fit":
-                kept = "no results were written"
+            from tts_lightning.cli import cli_main, what_a_stopped_fit_kept
 
             def stopped(how: str, status: int) -> int:
+                kept = "no results were written"
+                if argv[0] == "predict":
+                    kept = "the files written so far are kept"
+                elif argv[0] == "fit":
+                    kept = what_a_stopped_fit_kept()
                 if getattr(rank_zero_only, "rank", 0) == 0:  # said once, not by every process
                     print(f"tts-lightning {argv[0]}: stopped by {how} before the end; {kept}", file=sys.stderr)
                 return status

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,6 +31,23 @@ def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
     # once, instead of in prepare_data on one rank while the others wait.
     data.preparer.check_requested_speakers()
     return list(data.speaker_names)
+
+
+# The checkpoint folder of the fit this process runs (None: checkpointing off), once the fit
+# starts, for the line a fit stopped by Ctrl-C or SIGTERM ends with (`what_a_stopped_fit_kept`).
+_FIT_NOT_STARTED = object()
+_fit_checkpoints: Any = _FIT_NOT_STARTED
+
+
+def what_a_stopped_fit_kept() -> str:
+    """What a fit stopped before its end leaves, and how to go on: a rerun of the same command
+    where no checkpoint was written yet (`--ckpt_path last` where one was)."""
+    folder = _fit_checkpoints
+    if folder is _FIT_NOT_STARTED or (folder is not None and newest_checkpoint(folder) is not None):
+        return "the checkpoints written so far are kept: resume with --ckpt_path last"
+    if folder is None:
+        return "checkpointing is off: nothing was saved"
+    return f"no checkpoint was written yet (in {folder}): run the same command again"
 
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
@@ -317,8 +335,18 @@ class TTSLightningCLI(LightningCLI):
                 print(f"no complete checkpoint in {root} to resume this SLURM job from: starting at step 0")
         # `hpc` asked for and none found: Lightning says so.
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        with warnings.catch_warnings():  # the filters a run adds (`before_fit`) end with it
+            super()._run_subcommand(subcommand)
+
     def before_fit(self) -> None:
+        global _fit_checkpoints
+        _fit_checkpoints = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         self._check_ckpt_path()
+        if self.config_init["fit"].get("ckpt_path") is not None:
+            # Lightning warns of a checkpoint folder with files in it, which a resumed run's always
+            # has (a new fit in an earlier run's folder is refused: `refuse_an_earlier_runs_folder`).
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         self._check_optimizer()
 
     def _check_optimizer(self) -> None:
@@ -395,6 +423,8 @@ def cli_main(
     """The CLI every entry point builds (`fit` and friends, `ray-fit` workers, config tests)."""
     from tts_lightning import console
 
+    global _fit_checkpoints
+    _fit_checkpoints = _FIT_NOT_STARTED  # this call's fit has not started (an earlier call's had)
     console.install()  # also in processes that do not start from `tts-lightning` (Ray workers)
     return cli_class(
         Qwen3TTSModule,

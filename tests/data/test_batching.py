@@ -143,6 +143,14 @@ def test_a_saved_count_resumes_only_the_same_batches(change, caplog) -> None:
         assert not warned and list(restored) == full[3:]
     else:
         assert warned and list(restored) == full
+    # Rank 1 takes the same decision and leaves the saying to rank 0 (one line per run, not per rank).
+    caplog.clear()
+    other = LengthBucketBatchSampler(lengths, **{**kw, "rank": 1})
+    with caplog.at_level(logging.WARNING, logger="tts_lightning.data.batching"):
+        other.load_state_dict(state)
+    other.set_epoch(1)
+    assert not caplog.records
+    assert list(other) == other._rank_batches(1)[(3 if change in ("nothing", "no plan saved") else 0) :]
 
 
 def test_oversized_clip_gets_its_own_batch_and_one_warning(caplog) -> None:

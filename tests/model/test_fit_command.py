@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,20 @@ def test_ctrl_c_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, c
         signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
     said = "tts-lightning fit: stopped by Ctrl-C before the end; the checkpoints written so far are kept: resume with"
     assert f"{said} --ckpt_path last\n" in capsys.readouterr().err
+    # As said: the resume ends the run, without Lightning's warning of a folder with files in it.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*args, "--ckpt_path", "last"]) == 0
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
+    assert load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt").global_step == 3
+    # With checkpointing off there is nothing to resume, and the line says so.
+    try:
+        args = [*_fit_args(tiny_dir, demo_data, tmp_path / "off"), "--trainer.enable_checkpointing", "false"]
+        assert main([*args, "--trainer.callbacks+=test_fit_command.CtrlCAt", "--trainer.callbacks.batch", "0"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    said = "tts-lightning fit: stopped by Ctrl-C before the end; checkpointing is off: nothing was saved\n"
+    assert said in capsys.readouterr().err
 
 
 def test_ctrl_c_while_a_checkpoint_is_written_says_how_to_resume(tiny_dir, demo_data, tmp_path, monkeypatch, capsys):
@@ -99,8 +114,11 @@ def test_ctrl_c_while_a_checkpoint_is_written_says_how_to_resume(tiny_dir, demo_
     finally:
         signal.signal(signal.SIGINT, handler)
     err = capsys.readouterr().err
-    assert "tts-lightning fit: stopped by Ctrl-C before the end;" in err and "Traceback" not in err
-    assert not list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    # No checkpoint is there to resume: the same command again, not --ckpt_path last.
+    folder = tmp_path / "run" / "checkpoints"
+    said = f"stopped by Ctrl-C before the end; no checkpoint was written yet (in {folder}): run the same command again"
+    assert f"tts-lightning fit: {said}\n" in err and "Traceback" not in err
+    assert not list(folder.glob("*.ckpt"))
 
 
 def test_ctrl_c_before_training_starts_is_one_line(monkeypatch, capsys):

@@ -204,12 +204,14 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         if epoch < 0 or consumed < 0:
             raise ValueError(f"invalid sampler state {state}: epoch and consumed must be >= 0")
         self.epoch = epoch
+        # Every rank takes the same decision from the same state; rank 0 says it, once.
+        warn = logger.warning if self.rank == 0 else logger.debug
         if (
             state.get("seed", self.seed) != self.seed
             or state.get("num_replicas", self.num_replicas) != self.num_replicas
         ):
             # A different seed or world size gives different batches, so the count is meaningless.
-            logger.warning(
+            warn(
                 "sampler state was saved with seed=%s num_replicas=%s, now seed=%s num_replicas=%s; "
                 "restarting epoch %d from its first batch",
                 state.get("seed"),
@@ -221,7 +223,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             consumed = 0
         elif "plan" in state and state["plan"] != self.plan_digest(epoch):  # older states have no plan
             # The clips, their lengths (ICL: with their references) or the batch limits changed.
-            logger.warning(
+            warn(
                 "epoch %d's batches differ from those the checkpoint counted (the training clips, their "
                 "lengths or data.max_frames_per_batch / batch_size changed); restarting it from its first batch",
                 epoch,
