@@ -155,16 +155,25 @@ def _set(cfg: dict, dotted: str, value) -> None:
 @pytest.mark.parametrize(
     "dotted, value, needle",
     [
-        ("model.no_such_option", 1, "no_such_option"),  # unknown key
-        ("model.learning_rate", "fast", "learning_rate"),  # wrong type
-        ("model.lr_schedule", "exponential", "lr_schedule"),  # not one of the choices
-        ("data.max_frames_per_batch", "lots", "max_frames_per_batch"),
-        ("data.train_manfest", "data/train.jsonl", "train_manfest"),  # misspelt key
-        ("trainer.max_epoch", 3, "max_epoch"),
-        ("trainer.strategy.init_args.limit_all_gathers", "maybe", "limit_all_gathers"),
-        ("trainer.strategy.init_args.sharding_strategy", "SHARD_ALL", "sharding_strategy"),
-        ("trainer.strategy.init_args.no_such_fsdp_option", 1, "no_such_fsdp_option"),
-        ("checkpoint.save_top_k", "two", "save_top_k"),
+        # The words that name the key's own problem: the error also echoes every given value.
+        ("model.no_such_option", 1, "does not accept option 'model.no_such_option'"),  # unknown key
+        ("model.learning_rate", "fast", "Parser key \"model.learning_rate\": Expected a <class 'float'>"),
+        ("model.lr_schedule", "exponential", 'Parser key "model.lr_schedule": Expected a typing.Literal'),
+        ("data.max_frames_per_batch", "lots", 'Parser key "data.max_frames_per_batch": Does not validate'),
+        ("data.train_manfest", "data/train.jsonl", "does not accept option 'data.train_manfest'"),  # misspelt
+        ("trainer.max_epoch", 3, "does not accept option 'trainer.max_epoch'"),
+        (
+            "trainer.strategy.init_args.limit_all_gathers",
+            "maybe",
+            "Parser key \"limit_all_gathers\": Expected a <class 'bool'>. Got value: maybe",
+        ),
+        (
+            "trainer.strategy.init_args.sharding_strategy",
+            "SHARD_ALL",
+            'Parser key "sharding_strategy": Expected a typing.Literal',
+        ),
+        ("trainer.strategy.init_args.no_such_fsdp_option", 1, "Option 'no_such_fsdp_option' is not accepted"),
+        ("checkpoint.save_top_k", "two", "Parser key \"checkpoint.save_top_k\": Expected a <class 'int'>"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(parse, capsys, tmp_path, dotted, value, needle):

@@ -25,7 +25,7 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     info, model, tokenizer, speaker = tiny
     ids = SpecialIds.from_config(info.config)
     text_ids = tokenize_text(tokenizer, "Hello there, nice to meet you.")
-    max_new = 12
+    max_new = 48  # this speaker and text stop by end-of-speech after 34 frames (checked below)
     (codes,) = generate_codes(
         model,
         [text_ids],
@@ -38,6 +38,7 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     )
     T = codes.shape[0]
     assert codes.dtype == torch.long and codes.shape[1] == 16 and T >= 2
+    assert T < max_new - 1, "generation stopped at the cap: the end-of-speech frame below is not checked"
 
     batch = collate([build_sequence(ids, text_ids, codes, language="english")], speaker, [0], pad_text_id=ids.tts_pad)
     with torch.no_grad():
@@ -50,8 +51,7 @@ def test_greedy_generation_follows_the_training_layout(tiny):
     logits[:, ~allowed] = -float("inf")
     logits[:2, ids.codec_eos] = -float("inf")  # generation forbids eos at its first two steps
     assert torch.equal(logits[:T].argmax(-1), codes[:, 0])
-    if T < max_new - 1:  # stopped by eos, not by the cap
-        assert int(logits[T].argmax()) == ids.codec_eos
+    assert int(logits[T].argmax()) == ids.codec_eos  # the loss's eos target is where generation stopped
     assert torch.equal(out.predictor_predictions, codes[:, 1:])
 
 

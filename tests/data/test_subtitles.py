@@ -90,7 +90,7 @@ def test_short_cues_merge_up_to_the_target_but_never_across_a_speaker_change(rec
     assert merge_cues(cues, target_seconds=0.0) == [[k] for k in range(24)]
 
     cut, segments = cut_subtitled(load_manifest(root / "train.jsonl"), tmp_path / "s", target_seconds=8.0)
-    for group, seg in zip(groups, segments):  # merged clips start and end on cue boundaries
+    for group, seg in zip(groups, segments, strict=True):  # merged clips start and end on cue boundaries
         assert abs(round(seg.start * SR) - bounds[group[0]][0]) < SAMPLES_PER_FRAME
         assert abs(round(seg.end * SR) - bounds[group[-1]][1]) < SAMPLES_PER_FRAME
 

@@ -594,6 +594,7 @@ def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir, cli):
             "--trainer.enable_checkpointing",
             "false",
             '--trainer.callbacks+={"class_path": "lora_callbacks.ReportDtypes"}',
+            f"--trainer.callbacks+={CHECK_FROZEN}",
         ),
         cwd=workdir,
     )
@@ -601,3 +602,4 @@ def test_bf16_mixed_keeps_the_frozen_base_in_bf16(workdir, tiny_dir, cli):
     for rank in (0, 1):
         assert f"[ReportDtypes] rank {rank}: frozen torch.bfloat16, trainable torch.float32" in output, output[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in output
+    assert_frozen_checked(output, 2)  # it trains: the adapters moved, the bf16 base equals the pretrained one

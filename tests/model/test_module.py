@@ -38,7 +38,9 @@ def test_every_head_gets_gradient_and_frozen_parts_none(tiny_dir, examples):
     module(batch).loss.backward()
     for j, head in enumerate(module.talker.code_predictor.lm_head):
         assert head.weight.grad is not None and head.weight.grad.abs().sum() > 0, f"head {j}"
-    for j, emb in enumerate(module.talker.code_predictor.model.codec_embedding[:14]):
+    # Embeddings 0-13 feed the predictor; all 15 (codebooks 1-15) feed the talker's next input.
+    assert len(module.talker.code_predictor.model.codec_embedding) == 15
+    for j, emb in enumerate(module.talker.code_predictor.model.codec_embedding):
         assert emb.weight.grad.abs().sum() > 0, f"predictor embedding {j}"
     for name in (
         "talker.text_projection.linear_fc1.weight",
