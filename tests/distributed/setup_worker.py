@@ -22,6 +22,7 @@ Writes ``<out>/rank<N>.json``.
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import torch
@@ -135,16 +136,21 @@ class Checks(L.Callback):
         result["weights_bit_identical"] = all(torch.equal(mine[k], ref[k]) for k in ref)
 
         batch = next(iter(trainer.datamodule.val_dataloader()))
+        # Rank 0 sees speakers 0 and 1, rank 1 only speaker 1: rank 1 learns row 0 from rank 0 alone,
+        # and row 1, seen by both, must be taken from one of them (a plain sum would double it).
+        keep = torch.ones_like(batch.speaker_index, dtype=torch.bool) if rank == 0 else batch.speaker_index == 1
+        seen = SimpleNamespace(speaker_index=batch.speaker_index[keep], speaker_embedding=batch.speaker_embedding[keep])
         with DeviceRecorder() as recorder, torch.device("meta"):
             strategy._report_shards(strategy.model)
             pl_module.speaker_embeddings.zero_()  # force the speaker-table sync
-            pl_module._remember_speakers(batch)
+            pl_module._remember_speakers(seen)
             strategy.reduce_boolean_decision(True, all=True)
         result["collective_devices"] = sorted(set(recorder.seen))
         result["collectives"] = len(recorder.seen)
         result["root_device"] = str(strategy.root_device)
         table = pl_module.speaker_embeddings
-        result["batch_speakers"] = sorted({int(i) for i in batch.speaker_index})
+        result["batch_speakers"] = sorted({int(i) for i in seen.speaker_index})
+        result["prepared_table"] = trainer.datamodule.speaker_embeddings().to(table.dtype).tolist()
         result["speaker_rows_filled"] = [i for i in range(len(table)) if bool(table[i].abs().sum() > 0)]
         result["speaker_table"] = table.tolist()
         result["clipping"] = clipping_checks(trainer, pl_module, reference, batch)

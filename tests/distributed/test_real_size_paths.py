@@ -36,11 +36,13 @@ def test_collectives_only_see_the_root_device(setup_results):
 
 
 def test_speaker_table_sync_through_the_strategy(setup_results):
-    """`Strategy.reduce` syncs the table: the same on both ranks, every speaker either rank saw."""
-    seen = sorted({s for result in setup_results for s in result["batch_speakers"]})
+    """The table is synced through the process group: rank 1, which saw only speaker 1, gets
+    speaker 0's row from rank 0, and speaker 1's row, seen by both, is taken once (not summed):
+    both ranks hold exactly the prepared table."""
+    assert [r["batch_speakers"] for r in setup_results] == [[0, 1], [1]]
     for result in setup_results:
-        assert result["speaker_rows_filled"] == seen, result["speaker_rows_filled"]
-    assert setup_results[0]["speaker_table"] == setup_results[1]["speaker_table"]
+        assert result["speaker_rows_filled"] == [0, 1], result["speaker_rows_filled"]
+        assert result["speaker_table"] == result["prepared_table"]
 
 
 def test_fsdp_clips_by_the_norm_over_all_shards(setup_results):
