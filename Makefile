@@ -48,12 +48,12 @@ demo: install
 # (loadfile), so a module's fixtures (the README's command chain, a fit, a Ray cluster) are built
 # once; the session's (`make demo`'s workspace) once per worker. docs/testing.md has the figures.
 test: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
+	$(CPU_ENV) TTS_LIGHTNING_NO_SKIPS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
 
 # The edit loop: everything but the multi-process and long-running tests (marked slow); the
 # durations show a test that belongs in the slow tier.
 test-fast: install $(CHROMIUM)
-	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
+	$(CPU_ENV) TTS_LIGHTNING_NO_SKIPS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
 
 # The notebooks are stored with the outputs of an executed run; after changing a cell (or what a
 # cell shows), re-execute and store them (tests/test_notebooks.py checks they still match).

@@ -17,6 +17,23 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# `make test` sets this: a test that skips there fails instead, since a skip would pass silently
+# (the README installs everything the suite uses). Only the checks of messages a machine without a
+# GPU prints may skip, on a machine with one.
+MAY_SKIP_ONLY = ("the GPU is there",)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and os.environ.get("TTS_LIGHTNING_NO_SKIPS") == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not reason.removeprefix("Skipped: ").startswith(MAY_SKIP_ONLY):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under `make test`, where no test may skip: {reason}"
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_process_group():
     """A test that initializes torch.distributed in this process and fails (or forgets) before its

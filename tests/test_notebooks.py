@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the notebooks' kernel: a missing one fails here, not as a skip)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import store_notebook_outputs as store  # noqa: E402
