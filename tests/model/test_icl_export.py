@@ -15,7 +15,7 @@ from tts_lightning.model.checkpoint import load_training_checkpoint
 from tts_lightning.model.export import ExportError, export_base
 from tts_lightning.model.export_cli import export_command
 from tts_lightning.model.pretrained import check_pretrained
-from tts_lightning.model.synthesis import SynthesisError, check_request
+from tts_lightning.model.synthesis import SynthesisError, check_request, load_tts
 from tts_lightning.model.synthesis_cli import synthesize_command
 
 
@@ -91,6 +91,24 @@ def test_icl_trained_checkpoint_resumes_exactly_exports_as_base_and_clones(
     argv += ["--ref-text", clip.with_suffix(".txt").read_text().strip(), "--no-streaming", "--max-new-tokens", "8"]
     assert synthesize_command([*argv, "--out", str(said), "--device", "cpu"]) == 0
     assert sf.info(str(said)).samplerate == 24_000 and sf.info(str(said)).frames > 0
+    # The flags reach qwen_tts: the file is its ICL, non-streaming generation at the same seed (as
+    # the 16-bit file holds it), and neither x-vector-only cloning nor the streaming layout is.
+    fp32 = load_tts(out, "cpu", torch.float32)
+
+    def official(**mode):
+        torch.manual_seed(0)  # synthesize's default --seed
+        ref = {"ref_audio": str(clip.with_suffix(".flac")), "ref_text": clip.with_suffix(".txt").read_text().strip()}
+        (wav,), _ = fp32.generate_voice_clone(text=["Hello there."], language="Auto", **ref, **mode, max_new_tokens=8)
+        return wav
+
+    written = torch.from_numpy(sf.read(str(said), dtype="float32")[0])
+
+    def same(wav):
+        return written.shape == wav.shape and bool((written - torch.from_numpy(wav)).abs().max() <= 1 / 32767)
+
+    assert same(official(x_vector_only_mode=False, non_streaming_mode=True))
+    assert not same(official(x_vector_only_mode=True, non_streaming_mode=True))
+    assert not same(official(x_vector_only_mode=False, non_streaming_mode=False))
     with pytest.raises(SynthesisError, match="--ref-text clones in ICL mode, which needs a base model"):
         check_request(
             check_pretrained(tiny_custom_voice_dir), speaker="x", ref_audio=None, language="auto", ref_text="Hi."
