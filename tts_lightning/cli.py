@@ -228,7 +228,7 @@ class TTSLightningCLI(LightningCLI):
             return
         if str(path).lower() == "registry" or str(path).lower().startswith("registry:"):
             return
-        check_checkpoint(path, self._speakers(), self._adapter())
+        self._check_checkpoint(path)
 
     def refuse_an_earlier_runs_folder(self) -> None:
         """A new fit (no ``--ckpt_path``) whose checkpoint folder holds an earlier run's complete
@@ -254,6 +254,12 @@ class TTSLightningCLI(LightningCLI):
         return bool(
             environment is not None and environment.creates_processes_externally and self.trainer.world_size > 1
         )
+
+    def _check_checkpoint(self, path: Any) -> None:
+        """`check_checkpoint` against this run: its speakers, its adapter, its strategy's sharded
+        layout (``SHARDED_PREFIX`` of the project's strategies)."""
+        layout = getattr(self.trainer.strategy, "SHARDED_PREFIX", None)
+        check_checkpoint(path, self._speakers(), self._adapter(), layout)
 
     def _adapter(self) -> bool | None:
         """Whether the run's model trains a LoRA adapter (None: no model of this project)."""
@@ -294,7 +300,7 @@ class TTSLightningCLI(LightningCLI):
                 + (" (fit resumes with --ckpt_path last)" if self.subcommand == "fit" else "")
                 + ": give a checkpoint's path"
             )
-        check_checkpoint(best, self._speakers(), self._adapter())
+        self._check_checkpoint(best)
         if self.trainer.is_global_zero:
             print(f"ckpt_path best: {best}")
         self.config_init[self.subcommand]["ckpt_path"] = str(best)
@@ -307,7 +313,7 @@ class TTSLightningCLI(LightningCLI):
             self.trainer.strategy.resolved_resume = newest is not None
         if newest is None:
             return
-        check_checkpoint(newest, self._speakers(), self._adapter())
+        self._check_checkpoint(newest)
         if said and self.trainer.is_global_zero:
             print(said)
         self.config_init[self.subcommand]["ckpt_path"] = str(newest)

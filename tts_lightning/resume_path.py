@@ -94,15 +94,19 @@ def best_checkpoint(folder: str | Path | None) -> Path | None:
 
 
 def check_checkpoint(
-    path: str | Path, speakers: Sequence[str] | None = None, adapter: bool | None = None
+    path: str | Path,
+    speakers: Sequence[str] | None = None,
+    adapter: bool | None = None,
+    sharded_prefix: str | None = None,
 ) -> dict[str, Any]:
     """The hyper-parameters of the checkpoint ``--ckpt_path`` names. A path that does not exist or
     is not a checkpoint, or one trained on other speakers than ``speakers`` (the run's: its speaker
     table has a row each), or with a LoRA adapter where the run has none (``adapter``: whether it
-    has one) or the reverse (its tensors are another set), is one line naming it."""
+    has one) or the reverse (its tensors are another set), or a sharded checkpoint the other FSDP
+    strategy wrote (``sharded_prefix``: the run's strategy's layout), is one line naming it."""
     import zipfile
 
-    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
+    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader, refuse_other_strategy
 
     hint = "give a checkpoint file or a sharded checkpoint folder"
     if not Path(path).exists():
@@ -110,9 +114,12 @@ def check_checkpoint(
     if Path(path).is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
         raise ConfigError(f"ckpt_path {path} is not a checkpoint (not a file torch.save wrote): {hint}")
     try:
-        hyper_parameters = CheckpointReader(path).hyper_parameters
+        reader = CheckpointReader(path)
     except CheckpointError as exc:
         raise ConfigError(f"ckpt_path: {exc}: {hint}") from exc
+    hyper_parameters = reader.hyper_parameters
+    if sharded_prefix is not None and reader.sharded_prefix is not None:
+        refuse_other_strategy(path, reader.sharded_prefix, sharded_prefix)
     saved = [str(s) for s in hyper_parameters.get("speakers") or []]
     if speakers is not None and saved and saved != list(speakers):
         keep = "[" + ", ".join(saved) + "]"

@@ -13,6 +13,7 @@ import torch
 from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, data_args, fit_args, newest_last, scalars
 
 from tts_lightning.data.demo import demo_dir
+from tts_lightning.errors import ConfigError
 from tts_lightning.model.checkpoint import load_training_checkpoint
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS as TEXT_BLOCKS
 
@@ -469,3 +470,35 @@ def test_bad_config_fails_before_spawning(workdir, tiny_dir, override, message, 
     assert code == 2 and "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("tts-lightning fit: error: ")]
     assert errors == [f"tts-lightning fit: error: {message.format(workdir=workdir)}"], err
+
+
+def test_a_sharded_checkpoint_of_the_other_strategy_is_one_line(fitted, cli, workdir, tiny_dir, capsys, monkeypatch):
+    """FSDP1's sharded checkpoint given to an FSDP2 run (their module states are keyed apart): one
+    line naming both strategies, status 2, no traceback; said by the command before any other
+    process starts, and by every rank where the ranks are started apart (SLURM, torchrun: the
+    command's own check is left to the strategies there)."""
+    import sys
+
+    from tiny_runs import TINY_CPU_FSDP2
+
+    from tts_lightning.__main__ import main
+    from tts_lightning.model.checkpoint import FSDP2_PREFIX
+    from tts_lightning.resume_path import check_checkpoint
+
+    ckpt = newest_last(fitted[0])
+    said = (
+        f"tts-lightning fit: error: ckpt_path {ckpt} is a sharded checkpoint of FSDP1 (Qwen3TTSFSDPStrategy), "
+        "this run uses FSDP2 (Qwen3TTSFSDP2Strategy): resume with the strategy it was written with (the config "
+        "it was trained with); `tts-lightning export` reads either\n"
+    )
+    args = [str(a) for a in fit_args(TINY_CPU_FSDP2, workdir, tiny_dir, "other-strategy", "--ckpt_path", ckpt)]
+    monkeypatch.setattr(sys, "argv", ["tts-lightning"])
+    assert main(args) == 2  # in this process: refused before Lightning starts rank 1
+    err = capsys.readouterr().err
+    assert err.count("tts-lightning fit: error:") == 1 and said in err and "Traceback" not in err
+    proc = cli(*args, cwd=workdir, check=False, timeout=300, slurm_job="4243")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count(said) == 2  # each rank, from the strategy
+    assert check_checkpoint(ckpt)["speakers"]  # the same checkpoint, read where no strategy is named
+    with pytest.raises(ConfigError, match="is a sharded checkpoint of FSDP1"):
+        check_checkpoint(ckpt, sharded_prefix=FSDP2_PREFIX)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU_FSDP2, data_args, fit_args, scalars
+from tiny_runs import REFERENCE_EVERY, REFERENCE_STEPS, TINY_CPU, TINY_CPU_FSDP2, data_args, fit_args, scalars
 
 from tts_lightning.data.demo import demo_dir
 from tts_lightning.model.checkpoint import load_training_checkpoint
@@ -269,3 +269,17 @@ def test_predict_from_a_sharded_fsdp2_checkpoint(run_cli, resumed_run, workdir, 
     written = sorted(p.name for p in out.glob("*.wav"))
     assert written == sorted(f"{i:04d}_{s}.wav" for i in range(len(texts)) for s in speakers)
     assert_written_by_the_checkpoint(out, ckpt, greedy, texts, speakers)
+
+
+def test_fsdp1_refuses_an_fsdp2_sharded_checkpoint_on_every_rank(run_cli, resumed_run, workdir, tiny_dir):
+    """The reverse of test_fit_fsdp.py's check, where the ranks are started apart (no command-level
+    check): FSDP1's strategy refuses FSDP2's sharded checkpoint in one line per rank, status 2."""
+    ckpt = resumed_run / "checkpoints" / "last.ckpt"
+    args = fit_args(TINY_CPU, workdir, tiny_dir, "fsdp1-from-fsdp2", "--ckpt_path", ckpt)
+    proc = run_cli(*args, cwd=workdir, check=False, timeout=300, slurm_job="4244")
+    said = (
+        f"tts-lightning fit: error: ckpt_path {ckpt} is a sharded checkpoint of FSDP2 (Qwen3TTSFSDP2Strategy), "
+        "this run uses FSDP1 (Qwen3TTSFSDPStrategy)"
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count(said) == 2

@@ -40,6 +40,7 @@ from tts_lightning.distributed.lean_state import LeanShards
 from tts_lightning.distributed.processes import split_cpu_threads
 from tts_lightning.distributed.row_chunks import checkpoint_wrapped_predictor_by_rows
 from tts_lightning.distributed.scheduler_signals import SchedulerSignals
+from tts_lightning.model.checkpoint import MODEL_PREFIX, refuse_other_strategy, sharded_prefix
 
 __all__ = [
     "CheckpointWriteError",
@@ -123,6 +124,8 @@ class Qwen3TTSFSDPStrategy(SchedulerSignals, AtomicCheckpoints, FSDPStrategy):
         state_dict_type: ``sharded`` (one file per rank, fast, the default) or ``full``.
         mixed_precision_buffers_fp32: under bf16-mixed, keep buffers and reductions in fp32.
     """
+
+    SHARDED_PREFIX = MODEL_PREFIX  # the module state's keys in its sharded checkpoints
 
     def __init__(
         self,
@@ -350,6 +353,7 @@ class Qwen3TTSFSDPStrategy(SchedulerSignals, AtomicCheckpoints, FSDPStrategy):
         from tts_lightning.distributed.lean_state import buffers, load
 
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        refuse_other_strategy(path, sharded_prefix(metadata), self.SHARDED_PREFIX)  # torchrun: no CLI check
         stored = {k[len("model.") :] for k in metadata if k.startswith("model.")}
         wanted = self._saved_keys() or set(self._lean().params) | set(buffers(self._lean().model))
         if adapter:

@@ -63,6 +63,7 @@ from tts_lightning.distributed.fsdp import DEFAULT_CHECKPOINT, check_trainable, 
 from tts_lightning.distributed.processes import choose_backend, split_cpu_threads
 from tts_lightning.distributed.row_chunks import checkpoint_by_rows
 from tts_lightning.distributed.scheduler_signals import SchedulerSignals
+from tts_lightning.model.checkpoint import FSDP2_PREFIX, refuse_other_strategy, sharded_prefix
 from tts_lightning.model.parameters import absent_speaker_encoder
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
     # A LightningModule whose `configure_model` sees this flag leaves its parameters on the meta
     # device with a `pending_weights` loader (`tts_lightning.model.loading.MetaWeights`).
     materializes_meta_parameters = True
+    SHARDED_PREFIX = FSDP2_PREFIX  # the module state's keys in its sharded checkpoints
 
     def __init__(
         self,
@@ -287,11 +289,16 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
         own shards (Lightning would ask it for the frozen keys too); a full one goes through
         Lightning's loading, which skips absent keys when ``strict_loading`` is off (it is for
         adapters)."""
+        from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
+        from torch.distributed.checkpoint import FileSystemReader
+
         path = self.check_on_every_node(checkpoint_path)
+        if _is_sharded_checkpoint(path):  # torchrun, SLURM: no CLI check before
+            metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            refuse_other_strategy(path, sharded_prefix(metadata), self.SHARDED_PREFIX)
         module = self._adapter_module()
         if module is None:
             return super().load_checkpoint(path, weights_only)
-        from lightning.fabric.strategies.fsdp import _is_full_checkpoint, _is_sharded_checkpoint
 
         if _is_full_checkpoint(path):
             from lightning.fabric.utilities.load import _lazy_load
@@ -301,7 +308,7 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
         if not _is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only)  # Lightning's error for a bad path
         from lightning.fabric.utilities.load import _METADATA_FILENAME
-        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint import load
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tts_lightning.errors import UserError
+from tts_lightning.errors import ConfigError, UserError
 from tts_lightning.model.row_blocks import block_groups, join_blocks, official_layout
 
 MODEL_PREFIX = "model."  # Lightning's FSDP1 sharded layout: {"model": module state, "optimizer_0": ...}
@@ -36,6 +36,27 @@ TRUST_HINT = (
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, unreadable, unsafe or not one of this project's."""
+
+
+# The strategy that writes each sharded layout (their module states are keyed apart, so neither
+# strategy resumes the other's; `CheckpointReader` and `export` read both).
+SHARDED_BY = {MODEL_PREFIX: "FSDP1 (Qwen3TTSFSDPStrategy)", FSDP2_PREFIX: "FSDP2 (Qwen3TTSFSDP2Strategy)"}
+
+
+def sharded_prefix(metadata_keys: Iterable[str]) -> str:
+    """The prefix of the module's keys in a sharded checkpoint whose metadata holds ``metadata_keys``."""
+    return FSDP2_PREFIX if any(k.startswith(FSDP2_PREFIX) for k in metadata_keys) else MODEL_PREFIX
+
+
+def refuse_other_strategy(path: str | os.PathLike, written_prefix: str, run_prefix: str) -> None:
+    """One line where a run would resume a sharded checkpoint the other strategy wrote (a traceback
+    of a missing key on every rank before)."""
+    if written_prefix != run_prefix:
+        raise ConfigError(
+            f"ckpt_path {path} is a sharded checkpoint of {SHARDED_BY[written_prefix]}, this run uses "
+            f"{SHARDED_BY[run_prefix]}: resume with the strategy it was written with (the config it was "
+            "trained with); `tts-lightning export` reads either"
+        )
 
 
 @dataclass
@@ -75,7 +96,7 @@ class CheckpointReader:
         if not path.exists():
             raise CheckpointError(f"checkpoint {path} does not exist")
         self.sharded = path.is_dir()
-        self._prefix = MODEL_PREFIX  # of the module's keys in a sharded checkpoint
+        self._prefix = MODEL_PREFIX  # of the module's keys in a sharded checkpoint (`SHARDED_BY`)
         try:
             if self.sharded:
                 if not (path / ".metadata").is_file():
@@ -89,7 +110,7 @@ class CheckpointReader:
 
                 metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
                 # FSDP2 nests the module state (whose own keys start with "model.") under "state_dict."
-                self._prefix = FSDP2_PREFIX if any(k.startswith(FSDP2_PREFIX) for k in metadata) else MODEL_PREFIX
+                self._prefix = sharded_prefix(metadata)
                 self._sizes = {
                     fqn[len(self._prefix) :]: (m.size, m.properties.dtype)
                     for fqn, m in metadata.items()
@@ -125,6 +146,11 @@ class CheckpointReader:
             rows = sum(int(shape[0]) for shape in shapes)
             self._sizes[whole] = (torch.Size([rows, *shapes[0][1:]]), self._sizes[blocks[0]][1])
         self._sizes = {k: self._sizes[k] for k in layout}
+
+    @property
+    def sharded_prefix(self) -> str | None:
+        """The layout of a sharded checkpoint (`SHARDED_BY`); None for a checkpoint file."""
+        return self._prefix if self.sharded else None
 
     def tensor_keys(self) -> list[str]:
         return list(self._sizes)
