@@ -52,7 +52,8 @@ def test_edge_cases():
     assert compare([None, 0.5], [0.4, None], higher_is_better=True)["verdict"] == "n/a"  # no complete pair
     assert compare([0.0, 0.0], [0.0, 0.0], higher_is_better=False)["verdict"] == "within noise"
     assert compare([0.9], [0.1], higher_is_better=True)["verdict"] == "within noise"  # one pair
-    assert compare([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], higher_is_better=True)["verdict"] == "better"  # same gap each
+    same_gap = compare([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], higher_is_better=True)  # sign test: 2 / 2^3
+    assert (same_gap["p_value"], same_gap["verdict"]) == (0.25, "within noise")
     with pytest.raises(ValueError):
         compare([0.1], [0.1, 0.2], higher_is_better=True)
     m, sd = mean_sd([0.80, 0.81, 0.79, 0.80])
@@ -95,6 +96,16 @@ def test_comparisons_pair_by_text_and_seed_and_the_table_says_so():
     }
     table = markdown_table(result)
     assert "| alice | speaker similarity |" in table and "better (p=" in table and "p < 0.05" in table
+
+
+def test_pairs_without_spread_get_the_sign_test_not_p_0():
+    """Two speakers' failure rates, 0 against 1 each: the t statistic is undefined (no spread) and
+    two pairs cannot show a difference (sign test: p = 0.5); six pairs all one way can (p = 1/32)."""
+    two = compare([0.0, 0.0], [1.0, 1.0], higher_is_better=False)
+    assert (two["test"], two["p_value"], two["verdict"]) == ("sign (no spread)", 0.5, "within noise")
+    six = compare([0.0] * 6, [1.0] * 6, higher_is_better=False)
+    assert (six["p_value"], six["verdict"]) == (1 / 32, "better")
+    assert compare([0.3, 0.3], [0.3, 0.3], higher_is_better=True)["p_value"] == 1.0
 
 
 def test_pace_error_is_symmetric_in_faster_and_slower():

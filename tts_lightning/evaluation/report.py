@@ -44,7 +44,10 @@ def compare(
     mean is the matching one; the Wilcoxon signed-rank test cannot reach p < 0.05 with fewer than 6
     pairs (its smallest two-sided p is 2 / 2^n) and evaluations are often that small.
     Pass/fail (``binary``, e.g. end-of-speech failures): the exact McNemar test, a two-sided binomial
-    test on the discordant pairs (only one system failed), since pairs that agree carry no evidence."""
+    test on the discordant pairs (only one system failed), since pairs that agree carry no evidence.
+    Scores whose pairs all differ by the same amount (no spread: 2 speakers' failure rates 0 against
+    1) leave the t statistic undefined: the exact sign test then says what n pairs all one way can
+    show (two-sided p = 2 / 2^n: 0.5 for 2 pairs), not p = 0."""
     from scipy import stats
 
     pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None]
@@ -63,7 +66,8 @@ def compare(
         if len(pairs) < 2:
             p = 1.0  # one pair: no spread, no evidence
         elif math.isclose(max(diffs), min(diffs), rel_tol=1e-9, abs_tol=1e-12):
-            p = 1.0 if diff == 0 else 0.0  # the same difference in every pair (to rounding): no spread
+            test = "sign (no spread)"  # the same difference in every pair (to rounding)
+            p = 1.0 if diff == 0 else float(stats.binomtest(len(pairs), len(pairs), 0.5).pvalue)
         else:
             p = float(stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
     if p >= alpha or diff == 0:
