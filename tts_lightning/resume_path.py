@@ -104,15 +104,11 @@ def check_checkpoint(
     table has a row each), or with a LoRA adapter where the run has none (``adapter``: whether it
     has one) or the reverse (its tensors are another set), or a sharded checkpoint the other FSDP
     strategy wrote (``sharded_prefix``: the run's strategy's layout), is one line naming it."""
-    import zipfile
-
     from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader, refuse_other_strategy
 
     hint = "give a checkpoint file or a sharded checkpoint folder"
     if not Path(path).exists():
         raise ConfigError(f"ckpt_path {path} does not exist: {hint}")
-    if Path(path).is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
-        raise ConfigError(f"ckpt_path {path} is not a checkpoint (not a file torch.save wrote): {hint}")
     try:
         reader = CheckpointReader(path)
     except CheckpointError as exc:

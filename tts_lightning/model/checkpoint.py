@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,10 @@ class CheckpointReader:
         self.path = path = Path(path)
         if not path.exists():
             raise CheckpointError(f"checkpoint {path} does not exist")
+        if path.is_file() and (path.parent / ".metadata").is_file():  # meta.pt, __0_0.distcp
+            raise CheckpointError(f"{path} is one file of the sharded checkpoint {path.parent}: give that folder")
+        if path.is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
+            raise CheckpointError(f"{path} is not a checkpoint (not a file torch.save wrote)")
         self.sharded = path.is_dir()
         self._prefix = MODEL_PREFIX  # of the module's keys in a sharded checkpoint (`SHARDED_BY`)
         try:
