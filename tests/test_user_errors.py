@@ -135,6 +135,8 @@ def work(tmp_path_factory, tiny_dir) -> Path:
     (root / "broken.yaml").write_text("data: a: b\n")
     (root / "text.ckpt").write_text("not a checkpoint\n")
     lines = (root / "demo" / "train.jsonl").read_text().splitlines()
+    one_bob = [line for line in lines if '"bob"' not in line] + [next(line for line in lines if '"bob"' in line)]
+    (root / "demo" / "one_bob.jsonl").write_text("\n".join(one_bob) + "\n")
     (root / "demo" / "clash.jsonl").write_text("\n".join([lines[0].replace('"alice"', '"Bob"'), *lines[1:]]) + "\n")
     torch.save({"weights": torch.zeros(2)}, root / "tensors.ckpt")
     # What the check reads of a Lightning checkpoint of this project: the module's tensors and its speakers.
@@ -209,6 +211,19 @@ def test_a_user_error_is_one_message_and_exit_status_2(
     code, err = _run(command, _fill(args, values), capsys)
     assert (code, _one_message(err, command)) == (USAGE, message.format(**values))
     assert not (work / "cache").exists() and not (work / "run").exists()  # found before any work
+
+
+def test_prepare_refuses_what_fit_would(work, tiny_dir, tmp_path, capsys):
+    """An ICL run where a speaker has one clip: `prepare` passed it (status 0), then `fit` refused
+    it on every rank. Said after the clips are prepared (the split decides): the cache is kept."""
+    args = ["--pretrained", str(tiny_dir), "--train_manifest", str(work / "demo" / "one_bob.jsonl")]
+    code, err = _run("prepare", [*args, "--cache_dir", str(tmp_path / "cache"), "--layout", "icl"], capsys)
+    said = (
+        f"data.layout 'icl': speaker 'bob' has no other training clip to serve as the reference of "
+        f"{work}/demo/clips/bob/bob_000.flac; give it at least two training clips, or use data.layout xvector"
+    )
+    assert (code, _one_message(err, "prepare")) == (USAGE, said)
+    assert (tmp_path / "cache" / "prepared.json").is_file()
 
 
 @pytest.mark.parametrize(

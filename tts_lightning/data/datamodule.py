@@ -35,7 +35,7 @@ from tts_lightning.data.batching import BatchSamplerView, LengthBucketBatchSampl
 from tts_lightning.data.dataset import PreparedItem, SpeakerClipsDataset, TalkerCollate
 from tts_lightning.data.prepare import DataPreparer, PreparedIndex, PrepareSettings
 from tts_lightning.data.prepare_ranks import prepare_with_strategy, rank_device  # noqa: F401 (rank_device: its old home)
-from tts_lightning.data.references import generation_layout, references
+from tts_lightning.data.references import choose_references, generation_layout, references
 from tts_lightning.data.replay import mixed_records, replay_items
 from tts_lightning.data.speakers import load_speaker_table
 from tts_lightning.data.validation import ValidationReport
@@ -254,6 +254,8 @@ class SpeakerClipsDataModule(LightningDataModule):
         """
         prepared = self.preparer.prepare(ray_workers=ray_workers, ray_address=ray_address, show_report=show_report)
         self._index = None  # a later setup() reads the new index
+        if self.layout.needs_reference:  # what `setup` refuses, said by `tts-lightning prepare` too
+            choose_references(prepared.index.clips, self.seed)
         return prepared.report
 
     def _distributed(self) -> tuple[int, int] | None:
