@@ -64,6 +64,8 @@ CASES = [
     ("fit", [*FIT, "--data.manifest_encoding", "nope"], "unknown manifest_encoding 'nope'"),
     ("fit", [*FIT, "--model.adapter.rank", "0"], "model.adapter.rank must be >= 1, got 0"),
     ("fit", [*FIT, "--model.adapter.target_modules", "[]"], "model.adapter.target_modules is empty: name the nn.Linear layers to adapt"),
+    ("fit", [*FIT, "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback", "--trainer.callbacks.speakers", "[alcie]"], "SpeakerSamplesCallback: speakers 'alcie' (did you mean 'alice'?) are not in this run (alice, bob)"),
+    ("validate", [*FIT, "--trainer.callbacks+=tts_lightning.callbacks.SpeakerSamplesCallback", "--trainer.callbacks.speakers", "[alcie]"], "SpeakerSamplesCallback: speakers 'alcie' (did you mean 'alice'?) are not in this run (alice, bob)"),
     ("fit", [*FIT, "--ckpt_path", "{work}/nope.ckpt"], "ckpt_path {work}/nope.ckpt does not exist: give a checkpoint file or a sharded checkpoint folder"),
     pytest.param("fit", [*FIT, "--trainer.accelerator", "gpu"], "No supported gpu backend found!", marks=no_gpu),
     ("fit", [*FIT, "--ckpt_path", "{work}/text.ckpt"], "ckpt_path: {work}/text.ckpt is not a checkpoint (not a file torch.save wrote): give a checkpoint file or a sharded checkpoint folder"),

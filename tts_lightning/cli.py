@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
@@ -349,6 +349,7 @@ class TTSLightningCLI(LightningCLI):
         global _fit_checkpoints
         _fit_checkpoints = getattr(self.trainer.checkpoint_callback, "dirpath", None)
         self._check_ckpt_path()
+        self._check_callbacks()
         if self.config_init["fit"].get("ckpt_path") is not None:
             # Lightning warns of a checkpoint folder with files in it, which a resumed run's always
             # has (a new fit in an earlier run's folder is refused: `refuse_an_earlier_runs_folder`).
@@ -364,8 +365,21 @@ class TTSLightningCLI(LightningCLI):
         if isinstance(optimizer, str):
             check_optimizer(optimizer, str(self.trainer.precision))
 
+    def _check_callbacks(self) -> None:
+        """The samples callback's speakers, against the run's, once before the ranks start (its
+        `setup` checks them again on every rank, for runs started without this command)."""
+        from tts_lightning.callbacks.samples import SpeakerSamplesCallback
+
+        speakers = self._speakers()
+        if speakers is None:
+            return
+        for callback in cast(Any, self.trainer).callbacks:
+            if isinstance(callback, SpeakerSamplesCallback):
+                callback.check_speakers(speakers)
+
     def before_validate(self) -> None:
         self._check_ckpt_path()
+        self._check_callbacks()
 
     def before_test(self) -> None:
         self._check_ckpt_path()

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from tts_lightning import Qwen3TTSModule
 from tts_lightning.callbacks import SpeakerSamplesCallback
 from tts_lightning.data.predict import PredictionWriter, TextsDataset, collate_texts
+from tts_lightning.errors import ConfigError
 from tts_lightning.metrics import similarity_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -476,8 +477,6 @@ def test_monitoring_similarity_it_cannot_log_is_refused_before_training(monkeypa
 def test_held_out_needs_a_base_model(tiny_dir, tiny_custom_voice_dir, held_out_manifest):
     """A run from a CustomVoice model has no speaker encoder to clone held-out speakers with: refused
     at setup, before training, in one line."""
-    from tts_lightning.errors import ConfigError
-
     module = Qwen3TTSModule(str(tiny_custom_voice_dir), speakers=SPEAKERS)
     samples = SpeakerSamplesCallback(texts=TEXTS, held_out=str(held_out_manifest))
     trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[samples])
@@ -677,12 +676,13 @@ def test_a_run_of_many_speakers_samples_a_spread_of_them(tiny_dir):
         "p017): name others with `speakers`, or raise `max_speakers`"
     ]
     assert facts(None).speaker_rows(SimpleNamespace(), module)[0] == names
-    # Named speakers the run lacks: said in one short line, with the name probably meant.
-    said.clear()
-    assert facts(8, ["p001", "P003", "carol"]).speaker_rows(SimpleNamespace(), module)[0] == ["p001"]
-    assert said == [
+    # Named speakers the run lacks: refused in one short line, with the name probably meant (the
+    # command checks before the ranks start, `setup` on every rank).
+    with pytest.raises(ConfigError) as refused:
+        SpeakerSamplesCallback(speakers=["p001", "P003", "carol"]).setup(SimpleNamespace(), module, "fit")
+    assert str(refused.value) == (
         "SpeakerSamplesCallback: speakers 'P003' (did you mean 'p003'?), 'carol' are not in this run (p000, p001, "
         "p002, p003, p004, p005, p006, p007 and 12 more)"
-    ]
+    )
     with pytest.raises(ValueError, match="max_speakers"):
         SpeakerSamplesCallback(max_speakers=0)

@@ -42,6 +42,7 @@ training and checkpointing; ``on_error: raise`` stops the run on every rank inst
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -56,9 +57,11 @@ from tts_lightning.callbacks.held_out import BEFORE as HELD_OUT_BEFORE
 from tts_lightning.callbacks.held_out import HeldOutVoices
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
 from tts_lightning.callbacks.speaker_facts import SpeakerFacts
+from tts_lightning.errors import ConfigError
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
 from tts_lightning.model.custom_voice import spoken_languages
 from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
+from tts_lightning.names import some_names, unknown_names
 
 DEFAULT_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -201,10 +204,22 @@ class SpeakerSamplesCallback(Callback):
             rank_zero_warn(message)
 
     # -- the hooks ------------------------------------------------------------------------------
+    def check_speakers(self, names: Sequence[str]) -> None:
+        """Refuse ``speakers`` the run does not have (``names``): a typo would sample nobody, said
+        by a warning mid-run. `tts-lightning` checks it before the ranks start; `setup` on each."""
+        unknown = sorted(set(self.speakers or ()) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"SpeakerSamplesCallback: speakers {unknown_names(unknown, names)} are not in this run "
+                f"({some_names(names)})"
+            )
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse, before training, a checkpoint monitor this callback cannot feed: without the
-        similarity scorer ``val/speaker_similarity`` is never logged, and `ModelCheckpoint` would fail
-        after the first validation. Decided the same way on every rank."""
+        """Refuse, before training, speakers the run does not have and a checkpoint monitor this
+        callback cannot feed: without the similarity scorer ``val/speaker_similarity`` is never
+        logged, and `ModelCheckpoint` would fail after the first validation. Decided the same way
+        on every rank."""
+        self.check_speakers(list(getattr(pl_module, "speakers", []) or []))
         if self.held_out is not None:  # a CustomVoice start, a bad manifest: refused here, on every rank
             self.held_out.check(pl_module)
         if stage != "fit":

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from tts_lightning.model.generation import SAMPLE_RATE
-from tts_lightning.names import some_names, unknown_names
 
 PACE_CLIPS = 8  # at most this many of a speaker's clips measure its pace
 
@@ -86,12 +85,6 @@ class SpeakerFacts:
                 "many",
                 f"SpeakerSamplesCallback: samples {len(wanted)} of the run's {len(names)} speakers "
                 f"({', '.join(wanted)}): name others with `speakers`, or raise `max_speakers`",
-            )
-        if self.speakers is not None and len(wanted) != len(self.speakers):
-            self.warn(
-                "unknown",
-                f"SpeakerSamplesCallback: speakers {unknown_names(sorted(set(self.speakers) - set(names)), names)} "
-                f"are not in this run ({some_names(names)})",
             )
         # A custom_voice run's speakers are codec rows, all there from the start (the sampler reads them).
         rows = getattr(pl_module, "speaker_codec_ids", None) is not None
