@@ -24,6 +24,7 @@ from tts_lightning.errors import USAGE, ConfigError, UserError, explain
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CPU = REPO / "configs" / "tiny-cpu.yaml"
+GPU_CONFIG = TINY_CPU.parent / "qwen3-tts-1.7b-4x16gb.yaml"
 FIT = [
     "--config",
     str(TINY_CPU),
@@ -114,6 +115,8 @@ CASES = [
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{tiny}", "--overwrite"], "{tiny} is a tiny model (`tts-lightning tiny-model`), not an export: choose a new folder"),
     ("export", ["--ckpt", "{work}/alice.ckpt", "--out", "{work}/text.ckpt/voice"], "{work}/text.ckpt/voice: {work}/text.ckpt is a file, not a folder; choose another --out"),
     ("plan", ["--config", "{work}/broken.yaml", "--gpu-memory", "16"], "config {work}/broken.yaml is not valid YAML (line 1, column 8): mapping values are not allowed here"),
+    ("plan", ["--config", str(GPU_CONFIG), "--gpu-memory", "16", "--trainer.devices", "eight"], f"{GPU_CONFIG} with --trainer.devices eight: trainer.devices is 'eight'; pass the GPU count"),
+    ("plan", ["--config", str(GPU_CONFIG), "--gpu-memory", "16", "--trainer.precision", "64-true"], f"{GPU_CONFIG} with --trainer.precision 64-true: trainer.precision '64-true' is not planned (bf16-mixed or 32-true)"),
     ("plan", ["--model", "nope", "--gpu-memory", "16"], "model 'nope': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),
     ("plan", ["--model", "{work}/badjson", "--gpu-memory", "16"], "{work}/badjson: its config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("plan", ["--model", "{work}/demo", "--gpu-memory", "16"], "model '{work}/demo': not a preset (1.7b, 0.6b), a released hub id (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...) or a directory with a config.json"),

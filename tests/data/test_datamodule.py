@@ -369,7 +369,9 @@ def test_prepare_command_prints_the_summary(tiny_dir, prepared, tmp_path, capsys
     finally:
         rank_zero_logger.removeHandler(handler)
     out = capsys.readouterr().out
-    assert "speakers: alice, bob" in out
+    assert "(2 speakers: alice, bob)" in out
+    assert prepare_command(["--config", str(config), "--speakers", "[alice]"]) == 0
+    assert "(1 speaker: alice)" in capsys.readouterr().out
     # The summary once: printed, not logged as well (in full, or as "data report unchanged").
     assert out.count("accepted 24 clips") == 1, out
     assert not [line for line in lines if "data report" in line or "accepted 24 clips" in line], lines

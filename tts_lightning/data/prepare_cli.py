@@ -173,7 +173,8 @@ def prepare_command(argv: list[str]) -> int:
     print(report.summary())
     print(f"report: {data.report_path}")
     speakers = data.speaker_names
-    print(f"prepared: {data.prepared_path} ({len(speakers)} speakers: {some_names(speakers)})")
+    count = f"{len(speakers)} speaker" + ("s" if len(speakers) != 1 else "")
+    print(f"prepared: {data.prepared_path} ({count}: {some_names(speakers)})")
     return 0
 
 

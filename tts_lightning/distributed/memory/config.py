@@ -110,15 +110,16 @@ def plan_from_config(
     ``--ray.checkpoint_every_n_steps``: when its reports are written (with the gradients held or not)."""
     path = str(config_yaml_path)
     cfg = parse_fit_config(path, *overrides)
+    given = f"{path} with {' '.join(overrides)}" if overrides else path  # a bad value may be an override
     data, model_cfg, trainer = cfg.data, cfg.model, cfg.trainer
     pretrained = _pretrained(path, data, model_cfg)
     n = gpus if gpus is not None else _devices(_get(trainer, "devices", "auto"), _get(trainer, "num_nodes", 1))
     if n is None:
-        raise ValueError(f"{path}: trainer.devices is {_get(trainer, 'devices')!r}; pass the GPU count")
+        raise ValueError(f"{given}: trainer.devices is {_get(trainer, 'devices')!r}; pass the GPU count")
     precision = PRECISION_PLANNED.get(str(_get(trainer, "precision")))
     if precision is None:
         raise ValueError(
-            f"{path}: trainer.precision {_get(trainer, 'precision')!r} is not planned (bf16-mixed or 32-true)"
+            f"{given}: trainer.precision {_get(trainer, 'precision')!r} is not planned (bf16-mixed or 32-true)"
         )
     strategy = _strategy_layout(path, _get(trainer, "strategy", "auto"))
     full_checkpoints = _full_checkpoints(_get(trainer, "strategy", "auto"))
