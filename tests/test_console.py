@@ -29,6 +29,7 @@ NOISE = (
     "litlogger",
     "/-2",
     "LightningCLI's args parameter",
+    "smaller than the logging interval",
 )
 
 

@@ -14,6 +14,8 @@ module that emits it:
 - torchao (imported by transformers) logs two pytree-registration deprecations on import.
 - torch's FSDP state-dict and checkpoint code warn about ``_get_pg_default_device`` and
   ShardedTensor deprecations on every sharded checkpoint.
+- peft asks for transformers >= 5.6, which qwen-tts (pinned to 4.57.3) rules out; Lightning warns
+  that an epoch has fewer batches than ``log_every_n_steps``, though it counts steps over the run.
 
 This module imports nothing heavy: installing it costs nothing on `tts-lightning --help`.
 """
@@ -64,6 +66,13 @@ WARNING_FILTERS = (
     # Every FSDP2 step: a decoder layer returns a view. Nothing modifies it in place (the 2-rank test
     # gets FSDP1's gradients and weights to 1e-5), so the warning says nothing about this model.
     (r"FSDP2-wrapped module \(.*\) returned a view tensor", r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state"),
+    # qwen-tts pins transformers 4.57.3: a user cannot act on peft's advice to upgrade.
+    (r"Support for Transformers < 5\.6 is deprecated in PEFT", r"peft\.import_utils"),
+    # Lightning counts log_every_n_steps over the whole run, not per epoch: a short epoch still logs.
+    (
+        r"The number of training batches \(\d+\) is smaller than the logging interval",
+        r"lightning\.pytorch\.loops\.fit_loop",
+    ),
 )
 # logger name -> message prefixes dropped.
 LOG_FILTERS = {
