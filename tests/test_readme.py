@@ -80,7 +80,7 @@ def test_readme_command(readme_runs, command):
 
 
 @pytest.mark.parametrize("index", range(len(code_blocks("python"))))
-def test_readme_python_block(readme_runs, workspace, run_script, index):  # after the commands (block 1 reads my-voice)
+def test_readme_python_block(readme_runs, workspace, run_script, index):  # after the commands (block 1 reads runs/my-voice)
     script = workspace / f"readme_block_{index}.py"
     script.write_text(code_blocks("python")[index])
     run_script(script.name, timeout=900, cwd=workspace)
