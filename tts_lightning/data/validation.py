@@ -16,6 +16,7 @@ import torch
 from tts_lightning.data.audio import AudioReadError, probe_audio, read_audio, trim_edge_silence
 from tts_lightning.data.manifest import ClipRecord, Rejection
 from tts_lightning.files import atomic_write_json
+from tts_lightning.metrics.speech import text_characters  # the count the speaking-rate metrics use
 
 ACTIONS = ("reject", "flag")
 # Below this, audio is telephone quality (8-11 kHz): trained on, flagged in the report's warnings.
@@ -160,15 +161,10 @@ def clipped_fraction(samples: torch.Tensor, level: float = 0.999) -> float:
     return float((samples.abs() >= level).double().mean())
 
 
-def count_characters(text: str) -> int:
-    """Letters and digits (any script): what a speaking rate counts; spaces and punctuation are not."""
-    return sum(ch.isalnum() for ch in text)
-
-
 def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: ValidationConfig) -> dict[int, str]:
     """{index into measured: detail} for clips whose characters per second of speech lie outside
     the absolute limits or far (robust z-score of the log rate, median/MAD) from the speaker's."""
-    rates = [count_characters(c.record.text) / max(secs, 1e-3) for c, secs in measured]
+    rates = [text_characters(c.record.text) / max(secs, 1e-3) for c, secs in measured]
     by_speaker: dict[str, list[int]] = defaultdict(list)
     for i, (c, _) in enumerate(measured):
         by_speaker[c.record.speaker].append(i)
@@ -191,7 +187,7 @@ def _check_speaking_rates(measured: list[tuple[AcceptedClip, float]], config: Va
                 why = f"robust z-score {z:+.1f} beyond +/-{config.max_rate_zscore}"
             if why is not None:
                 problems[i] = (
-                    f"{rates[i]:.1f} chars/s of speech ({count_characters(clip.record.text)} characters in "
+                    f"{rates[i]:.1f} chars/s of speech ({text_characters(clip.record.text)} characters in "
                     f"{secs:.2f} s without edge silence), speaker {speaker!r} median {math.exp(median):.1f} chars/s "
                     f"over {len(members)} clip(s): {why}; does the transcript belong to this audio?"
                 )
