@@ -80,7 +80,8 @@ def test_readme_command(readme_runs, command):
 
 
 @pytest.mark.parametrize("index", range(len(code_blocks("python"))))
-def test_readme_python_block(readme_runs, workspace, run_script, index):  # after the commands (block 1 reads runs/my-voice)
+# After the commands: block 1 reads runs/my-voice.
+def test_readme_python_block(readme_runs, workspace, run_script, index):
     script = workspace / f"readme_block_{index}.py"
     script.write_text(code_blocks("python")[index])
     run_script(script.name, timeout=900, cwd=workspace)
