@@ -17,7 +17,7 @@ import os
 import pickle
 import warnings
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,20 @@ class CheckpointReader:
         except Exception as exc:
             raise CheckpointError(f"cannot read checkpoint {self.path}: {type(exc).__name__}: {exc}") from exc
         return {k: target[self._prefix + k] for k in keys}
+
+
+def groups_of_bytes(keys: Iterable[str], nbytes: Callable[[str], int], limit: int) -> list[list[str]]:
+    """``keys`` in order, in consecutive groups of at most ``limit`` bytes (``nbytes(key)``; a tensor
+    larger than that is a group of its own): a checkpoint read or a safetensors shard at a time."""
+    groups: list[list[str]] = []
+    size = 0
+    for key in keys:
+        if not groups or size + nbytes(key) > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes(key)
+    return groups
 
 
 def load_training_checkpoint(

@@ -26,7 +26,7 @@ import torch
 
 from tts_lightning.errors import UserError
 from tts_lightning.files import file_in_the_way, replace_directory, save_safetensors, staged_directory
-from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader
+from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader, groups_of_bytes
 from tts_lightning.model.custom_voice import new_speaker_ids, speaker_codec_ids
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 
@@ -122,21 +122,6 @@ def _adapter_settings(hp: dict):
     return LoRASettings.coerce(hp.get("adapter"))
 
 
-def _shards(reader, keys: list[str], itemsize: int, max_bytes: int) -> list[list[str]]:
-    """Consecutive groups of keys of at most ``max_bytes`` in the target dtype (a tensor larger
-    than that is a group of its own)."""
-    groups: list[list[str]] = []
-    size = 0
-    for key in keys:
-        nbytes = reader.numel(key) * itemsize
-        if not groups or size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += nbytes
-    return groups
-
-
 def check_replaceable(out: Path, overwrite: bool) -> None:
     """Refuse to write ``out`` where that would lose something: an existing folder is replaced only
     with ``overwrite`` and only if it is a model folder (a Qwen3-TTS ``config.json``, or a LoRA
@@ -212,7 +197,8 @@ def export_custom_voice(
     adapter = _adapter_settings(reader.hyper_parameters)
     source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
     keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
-    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
+    itemsize = torch.empty(0, dtype=target).element_size()
+    groups = groups_of_bytes(keys, lambda k: source.numel(k) * itemsize, max_shard_size)
     names = (
         ["model.safetensors"]
         if len(groups) == 1
@@ -262,7 +248,8 @@ def export_base(
     if not any(k.startswith("model.speaker_encoder.") for k in keys):
         raise ExportError(f"{ckpt}: holds no speaker encoder, which generate_voice_clone needs")
     target = DTYPES[dtype]
-    groups = _shards(source, keys, torch.empty(0, dtype=target).element_size(), max_shard_size)
+    itemsize = torch.empty(0, dtype=target).element_size()
+    groups = groups_of_bytes(keys, lambda k: source.numel(k) * itemsize, max_shard_size)
     names = (
         ["model.safetensors"]
         if len(groups) == 1

@@ -73,19 +73,6 @@ warnings.filterwarnings(
 LOAD_BYTES = 2**28
 
 
-def _groups_of_bytes(keys: Sequence[str], nbytes: Any, limit: int) -> list[list[str]]:
-    """``keys`` in order, in groups of at most ``limit`` bytes (``nbytes(key)``; a larger tensor alone)."""
-    groups: list[list[str]] = []
-    size = 0
-    for key in keys:
-        if not groups or size + nbytes(key) > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += nbytes(key)
-    return groups
-
-
 class Qwen3TTSModule(TrainAccuracyLogging):
     """Talker + code-predictor fine-tuning with the loss of `tts_lightning.model.loss`.
 
@@ -297,7 +284,7 @@ class Qwen3TTSModule(TrainAccuracyLogging):
             )
         import inspect
 
-        from tts_lightning.model.checkpoint import CheckpointReader
+        from tts_lightning.model.checkpoint import CheckpointReader, groups_of_bytes
 
         reader = CheckpointReader(checkpoint_path, trust=weights_only is False)
         accepted = inspect.signature(cls).parameters
@@ -309,7 +296,7 @@ class Qwen3TTSModule(TrainAccuracyLogging):
         module.on_load_checkpoint({"state_dict": dict.fromkeys(keys)})
         never_loaded: set[str] | None = None
         unexpected: list[str] = []
-        for group in _groups_of_bytes(keys, lambda k: reader.numel(k) * reader.dtype(k).itemsize, LOAD_BYTES):
+        for group in groups_of_bytes(keys, lambda k: reader.numel(k) * reader.dtype(k).itemsize, LOAD_BYTES):
             result = module.load_state_dict(reader.read(group), strict=False)
             unexpected += result.unexpected_keys
             # missing from every group: never loaded
