@@ -51,6 +51,7 @@ thread competes with the compute), so none is set.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,12 +65,18 @@ from tts_lightning.distributed.processes import choose_backend, split_cpu_thread
 from tts_lightning.distributed.row_chunks import checkpoint_by_rows
 from tts_lightning.distributed.scheduler_signals import SchedulerSignals
 from tts_lightning.model.checkpoint import FSDP2_PREFIX, refuse_other_strategy, sharded_prefix
-from tts_lightning.model.parameters import absent_speaker_encoder
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["DEFAULT_GROUPS", "DEFAULT_LAYERS", "Qwen3TTSFSDP2Strategy", "apply_fully_shard", "fsdp2_modules"]
+__all__ = [
+    "DEFAULT_GROUPS",
+    "DEFAULT_LAYERS",
+    "Qwen3TTSFSDP2Strategy",
+    "apply_fully_shard",
+    "fsdp2_modules",
+    "group_members",
+]
 
 DEFAULT_LAYERS = (
     "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer",
@@ -388,17 +395,28 @@ def apply_fully_shard(
     for sub in model.modules():
         if isinstance(sub, layer_classes):
             fully_shard(sub, **kwargs)
-    names = dict(model.named_modules())
+    modules = dict(model.named_modules())
     for globs in groups:
-        matched = [name for name in names if name and any(fnmatch.fnmatchcase(name, g) for g in globs)]
-        # the outermost matches only: "speaker_encoder" takes the whole encoder as one unit
-        members = [names[n] for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
-        if not members and absent_speaker_encoder(globs, model):
-            continue
-        if not members:
-            raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
-        fully_shard(members if len(members) > 1 else members[0], **kwargs)
+        names = group_members(model, globs)
+        if names is not None:
+            members = [modules[n] for n in names]
+            fully_shard(members if len(members) > 1 else members[0], **kwargs)
     fully_shard(root, **kwargs)
+
+
+def group_members(model: nn.Module, globs: Sequence[str]) -> list[str] | None:
+    """The names of the modules of ``model`` that one group of module-name ``globs`` shards as one
+    unit: the outermost matches only ("speaker_encoder" takes the whole encoder). None for the
+    default ``speaker_encoder`` group on a model without one (a custom_voice model): a group to leave
+    out, not an error. `apply_fully_shard` and the memory planner both ask, so the planner's units
+    are the strategy's."""
+    matched = [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, g) for g in globs)]
+    members = [n for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
+    if not members and tuple(globs) == ("speaker_encoder",) and getattr(model, "speaker_encoder", 1) is None:
+        return None
+    if not members:
+        raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
+    return members
 
 
 def fsdp2_modules(module: nn.Module) -> list[FSDPModule]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fnmatch
 import io
 import json
 import os
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from tts_lightning.distributed.memory.presets import resolve_config
-from tts_lightning.model.parameters import absent_speaker_encoder, matches
+from tts_lightning.model.parameters import matches
 from tts_lightning.model.row_blocks import DEFAULT_TEXT_EMBEDDING_BLOCKS, split_text_embedding
 
 __all__ = [
@@ -54,8 +53,9 @@ TEXT_EMBEDDING = "talker.model.text_embedding"
 TALKER_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSTalkerDecoderLayer"
 PREDICTOR_LAYER = "qwen_tts.core.models.modeling_qwen3_tts.Qwen3TTSDecoderLayer"
 LAYOUTS = ("fsdp1", "fsdp2")
-# `Qwen3TTSFSDP2Strategy`'s defaults (its ``layer_classes`` and ``groups``), written here so that the
-# planner needs nothing of the strategy's module; tests/distributed/test_memory_fsdp2.py checks them.
+# `Qwen3TTSFSDP2Strategy`'s defaults (its ``layer_classes`` and ``groups``), written here so that
+# importing the planner loads nothing of the strategy's module (its `group_members` is imported when
+# the FSDP2 units are built); tests/distributed/test_memory_fsdp2.py checks them.
 FSDP2_LAYERS = (TALKER_LAYER, PREDICTOR_LAYER, "tts_lightning.model.row_blocks.EmbeddingRowBlock")
 TALKER_CODEC, PREDICTOR_CODEC = "talker.model.codec_embedding", "talker.code_predictor.model.codec_embedding"
 FSDP2_GROUPS = (
@@ -183,6 +183,8 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
     """``fully_shard`` as `Qwen3TTSFSDP2Strategy` applies it: each module of the layer classes, each
     group (the outermost modules its globs match, together), then the root; a parameter belongs
     to the innermost of them that contains it."""
+    from tts_lightning.distributed.fsdp2 import group_members
+
     layer_classes = _import_classes(layers)
     modules = dict(model.named_modules())
     owner: dict[str, tuple[str, UnitKind]] = {}  # module name -> (unit name, kind)
@@ -193,12 +195,9 @@ def _fsdp2_units(model: nn.Module, layers: Sequence[str], groups: Sequence[Seque
             owner[name] = (name, _kind(module, name))  # the text embedding's row blocks: "embedding"
             order.append(owner[name])
     for globs in groups:
-        matched = [n for n in modules if n and any(fnmatch.fnmatchcase(n, g) for g in globs)]
-        members = [n for n in matched if not any(n.startswith(f"{m}.") for m in matched)]
-        if not members and absent_speaker_encoder(globs, model):
+        members = group_members(model, globs)
+        if members is None:
             continue
-        if not members:
-            raise ValueError(f"FSDP2 group {list(globs)} matches no module of the model")
         unit_name = members[0] if len(members) == 1 else " + ".join(globs)
         kinds = {_kind(modules[m], m) for m in members}
         entry = (unit_name, kinds.pop() if len(kinds) == 1 else "other")
