@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tts_lightning.errors import ConfigError
 from tts_lightning.files import atomic_write, atomic_write_json
 from tts_lightning.model.custom_voice import built_in_speakers, is_custom_voice, spoken_language
-from tts_lightning.model.pretrained import PretrainedInfo
+from tts_lightning.model.pretrained import PretrainedInfo, weight_files
 
 DEFAULT_TEXTS_FILE = Path(__file__).with_name("replay_texts.txt")
 REPLAY_VERSION = 1
@@ -100,7 +100,7 @@ def replay_folder(cache_dir: Path, info: PretrainedInfo, texts: Sequence[str], m
     """The folder of the replay records for these settings (`replay_key`)."""
     from tts_lightning.data.fingerprints import fingerprint_files, fingerprint_memo
 
-    files = sorted(info.path.glob("*.safetensors")) + [info.path / "config.json"]
+    files = [*weight_files(info.path), info.path / "config.json"]
     files += [p for p in [info.path / "generation_config.json"] if p.is_file()]
     described = {
         "version": REPLAY_VERSION,

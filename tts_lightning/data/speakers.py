@@ -36,7 +36,7 @@ from tts_lightning.data.audio import TARGET_SAMPLE_RATE, load_audio
 from tts_lightning.data.fingerprints import fingerprint_memo, memoized_by_stat
 from tts_lightning.data.validation import AcceptedClip
 from tts_lightning.files import atomic_write, sha256_file
-from tts_lightning.model.pretrained import PretrainedInfo, load_config, load_state_dict
+from tts_lightning.model.pretrained import PretrainedInfo, load_config, load_state_dict, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class SpeakerEncoder:
             if self.memo_path is None:
                 self._fingerprint = self._compute_fingerprint()
             else:
-                files = [self.info.path / "config.json", *weight_files(self.info)]
+                files = [self.info.path / "config.json", *weight_files(self.info.path)]
                 self._fingerprint = memoized_by_stat(
                     self.memo_path, f"speaker_encoder:{self.info.path}", files, self._compute_fingerprint
                 )
@@ -147,13 +147,6 @@ class SpeakerEncoder:
             except RuntimeError as exc:  # e.g. a clip shorter than the mel window
                 raise ValueError(f"cannot compute a speaker embedding for {p}: {exc}") from exc
         return torch.stack(embeddings).mean(0)
-
-
-def weight_files(info: PretrainedInfo) -> list[Path]:
-    index = info.path / "model.safetensors.index.json"
-    if index.is_file():
-        return [info.path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return [info.path / "model.safetensors"]
 
 
 _WARNED: set[tuple[str, int]] = set()  # (speaker, references named): said once per process

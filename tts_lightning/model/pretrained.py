@@ -140,12 +140,14 @@ def check_pretrained(
     _read_json(speech / "preprocessor_config.json", "speech tokenizer feature-extractor config")
     if not (speech / "model.safetensors").is_file():
         raise PretrainedError(f"{speech}: speech tokenizer weights missing (model.safetensors not found)")
-    for weights in [*_weight_files(path), speech / "model.safetensors"]:
+    for weights in [*weight_files(path), speech / "model.safetensors"]:
         _check_weight_file(weights)
     return PretrainedInfo(path=path, tts_model_type=tts_type, config=config)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The model's safetensors files in a pretrained directory ``path``: the files its
+    ``model.safetensors.index.json`` names, or ``model.safetensors`` alone."""
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return [path / "model.safetensors"]
@@ -182,7 +184,7 @@ def load_state_dict(info: PretrainedInfo, prefix: str = "") -> dict[str, torch.T
     from safetensors import safe_open
 
     state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(info.path):
+    for path in weight_files(info.path):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.startswith(prefix):
