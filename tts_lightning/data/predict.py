@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from tts_lightning.files import atomic_write, atomic_write_wav
 from tts_lightning.model.generation import PredictBatch
 from tts_lightning.model.layouts import SequenceLayout, VoiceReference
+from tts_lightning.model.synthesis import read_text_file
 
 BATCH_KEYS = ("text", "speaker", "language", "id", "padding")  # the item keys `collate_texts` reads
 
@@ -49,7 +50,7 @@ def read_texts(texts: Sequence[str] | None = None, texts_file: str | os.PathLike
         path = Path(texts_file).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"predict texts file {path} not found")
-        out += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        out += read_text_file(path, "data.predict_texts_file")  # names an unreadable or non-UTF-8 file
     if not out:
         raise ValueError("nothing to predict: give predict_texts and/or predict_texts_file (one text per line)")
     return out

@@ -34,6 +34,7 @@ from tts_lightning.errors import ConfigError
 from tts_lightning.files import atomic_write, atomic_write_json
 from tts_lightning.model.custom_voice import built_in_speakers, is_custom_voice, spoken_language
 from tts_lightning.model.pretrained import PretrainedInfo, weight_files
+from tts_lightning.model.synthesis import read_text_file
 
 DEFAULT_TEXTS_FILE = Path(__file__).with_name("replay_texts.txt")
 REPLAY_VERSION = 1
@@ -58,7 +59,7 @@ def replay_texts(texts: Sequence[str] | None, texts_file: str | None) -> list[st
     if path is not None:
         if not path.is_file():
             raise ConfigError(f"data.replay_texts_file: {path} not found; give a UTF-8 file with one text a line")
-        out += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        out += read_text_file(path, "data.replay_texts_file")  # names an unreadable or non-UTF-8 file
     if not out:
         raise ConfigError("data.replay_texts / data.replay_texts_file give no text to replay; give at least one line")
     return out
