@@ -8,36 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tts_lightning.callbacks.spectrogram import mel_image
+from tts_lightning.callbacks.spectrogram import HOP, mel_db, mel_image
 from tts_lightning.model.generation import SAMPLE_RATE
-
-N_FFT, HOP, N_MELS = 1024, 256, 80
-
-
-def mel_db(audio: np.ndarray, sample_rate: int = SAMPLE_RATE, top_db: float = 80.0) -> tuple[np.ndarray, np.ndarray]:
-    """(log-mel in dB, ``top_db`` below the peak at most, shape (n_mels, frames); the mel bands'
-    centre frequencies in Hz)."""
-    import torchaudio
-
-    wave = torch.as_tensor(audio, dtype=torch.float32).reshape(-1)
-    if wave.numel() < N_FFT:
-        wave = torch.nn.functional.pad(wave, (0, N_FFT - wave.numel()))
-    transform = torchaudio.transforms.MelSpectrogram(
-        sample_rate=sample_rate, n_fft=N_FFT, hop_length=HOP, n_mels=N_MELS, f_max=sample_rate / 2
-    )
-    db = 10.0 * torch.log10(transform(wave).clamp(min=1e-10))
-    db = db.clamp(min=float(db.max()) - top_db)
-    # The bands' centres: n_mels + 2 points evenly spaced in mel, the ends dropped (torchaudio's HTK scale).
-    mels = np.linspace(_hz_to_mel(0.0), _hz_to_mel(sample_rate / 2), N_MELS + 2)[1:-1]
-    return db.numpy(), _mel_to_hz(mels)
-
-
-def _hz_to_mel(hz: float | np.ndarray) -> np.ndarray:
-    return 2595.0 * np.log10(1.0 + np.asarray(hz) / 700.0)  # the HTK scale torchaudio uses by default
-
-
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
-    return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
 
 
 def comparison_figure(generated: np.ndarray, real: np.ndarray | None, title: str, sample_rate: int = SAMPLE_RATE):
