@@ -177,10 +177,8 @@ def init_adapter(name: str, value: torch.Tensor, seed: int = 0) -> None:
         value.zero_()
         return
     generator = torch.Generator(device="cpu").manual_seed(_seed_of(name, seed))
-    fan_in = value.shape[1]
-    gain = math.sqrt(2.0 / (1 + 5.0))  # kaiming_uniform_ with a=sqrt(5), as nn.Linear and peft
-    bound = math.sqrt(3.0) * gain / math.sqrt(fan_in)
-    drawn = torch.empty(value.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+    drawn = torch.empty(value.shape, dtype=torch.float32)  # drawn in fp32 on the CPU whatever ``value`` is
+    nn.init.kaiming_uniform_(drawn, a=math.sqrt(5), generator=generator)  # as nn.Linear and peft
     value.copy_(drawn.to(device=value.device, dtype=value.dtype))
 
 
