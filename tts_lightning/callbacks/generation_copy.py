@@ -95,9 +95,3 @@ def on_device(holder, device: torch.device | str) -> Iterator[None]:
         holder.device = torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def cuda_devices(device: torch.device) -> list[int]:
-    if device.type == "cuda":
-        return [device.index if device.index is not None else torch.cuda.current_device()]
-    return []

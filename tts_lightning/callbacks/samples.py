@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from tts_lightning.callbacks.figures import log_samples, tensorboard_loggers
-from tts_lightning.callbacks.generation_copy import cuda_devices, generation_model, on_device
+from tts_lightning.callbacks.generation_copy import generation_model, on_device
 from tts_lightning.callbacks.held_out import BEFORE as HELD_OUT_BEFORE
 from tts_lightning.callbacks.held_out import HeldOutVoices
 from tts_lightning.callbacks.intelligibility import SampleIntelligibility
@@ -60,7 +60,7 @@ from tts_lightning.callbacks.speaker_facts import SpeakerFacts
 from tts_lightning.errors import ConfigError
 from tts_lightning.metrics.speech import hit_frame_limit, max_new_tokens_for
 from tts_lightning.model.custom_voice import spoken_languages
-from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes
+from tts_lightning.model.generation import SAMPLE_RATE, decode_codes, generate_codes, rng_devices
 from tts_lightning.names import some_names, unknown_names
 
 DEFAULT_TEXTS = (
@@ -324,7 +324,7 @@ class SpeakerSamplesCallback(Callback):
             error = exc
         if generated is not None:  # rank 0, the generation copy freed
             try:
-                with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
+                with torch.random.fork_rng(devices=rng_devices(pl_module.device)):
                     values = self._log_and_score(trainer, pl_module, generated, loggers, scoring, baseline=baseline)
             except Exception as exc:
                 error = exc
@@ -354,7 +354,7 @@ class SpeakerSamplesCallback(Callback):
             if model is None:
                 return None
             try:
-                with torch.random.fork_rng(devices=cuda_devices(pl_module.device)):
+                with torch.random.fork_rng(devices=rng_devices(pl_module.device)):
                     return self._generate(trainer, pl_module, model, baseline)
             finally:
                 del model  # the context's reference is then the last one: it frees the copy on exit

@@ -34,16 +34,10 @@ import torch
 from torch import Tensor
 
 from tts_lightning.errors import ConfigError
-from tts_lightning.model.optimizers import holds_rank_local_state
+from tts_lightning.model.optimizers import holds_rank_local_state, local_tensor
 
 RANK_LOCAL = "rank_local"
 FULL_KEY = "rank_local_optimizer_states"
-
-
-def _local(value: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def local_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -59,7 +53,7 @@ def local_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             continue
         entry: dict[str, Any] = {}
         for name, value in values.items():
-            value = _local(value)
+            value = local_tensor(value)
             if isinstance(value, (OptimState8bit, OptimState4bit)):
                 bits = 8 if isinstance(value, OptimState8bit) else 4
                 entry[name] = {
@@ -79,7 +73,7 @@ def _rebuild(saved: Any, param: Tensor) -> Tensor:
     """A saved value as the optimizer holds it for ``param`` (quantized, a DTensor under FSDP2)."""
     from torch.distributed.tensor import DTensor
 
-    local = _local(param.detach())
+    local = local_tensor(param.detach())
     if isinstance(saved, dict):
         from torchao.optim import subclass_4bit, subclass_8bit
 
@@ -109,7 +103,7 @@ def restore(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in saved["state"].items():
         param = params[int(index)]
-        if any(_saved_numel(v) != _local(param).numel() for n, v in entry.items() if n != "step"):
+        if any(_saved_numel(v) != local_tensor(param).numel() for n, v in entry.items() if n != "step"):
             raise ConfigError(
                 "the checkpoint's quantized optimizer state was saved with another sharding: resume with the "
                 "world size and strategy settings it was saved with"

@@ -123,7 +123,8 @@ def _input_embeddings(model: nn.Module) -> nn.Embedding:
     return talker.get_input_embeddings()
 
 
-def _rng_devices(device: torch.device) -> list[int]:
+def rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose RNG `torch.random.fork_rng` saves for work on ``device`` (none on the CPU)."""
     if device.type == "cuda":
         return [device.index if device.index is not None else torch.cuda.current_device()]
     return []
@@ -135,7 +136,7 @@ def seeded(seed: int | None, device: torch.device):
     if seed is None:
         yield
         return
-    with torch.random.fork_rng(devices=_rng_devices(device)):
+    with torch.random.fork_rng(devices=rng_devices(device)):
         torch.manual_seed(int(seed))
         yield
 

@@ -153,11 +153,11 @@ class _EagerOnCPU(torch.optim.Optimizer):
         # The update is element-wise: it runs on this rank's local tensors (FSDP2's DTensors
         # unwrapped; DTensor cannot propagate a bf16 8-bit state's lerp).
         update(
-            _local(p.detach()),
-            _local(p.grad),
+            local_tensor(p.detach()),
+            local_tensor(p.grad),
             state["step"],
-            _local(state["exp_avg"]),
-            _local(state["exp_avg_sq"]),
+            local_tensor(state["exp_avg"]),
+            local_tensor(state["exp_avg_sq"]),
             None,
             group["lr"],
             group["betas"][0],
@@ -169,7 +169,8 @@ class _EagerOnCPU(torch.optim.Optimizer):
         )
 
 
-def _local(value: Any) -> Any:
+def local_tensor(value: Any) -> Any:
+    """This rank's piece of ``value`` where it is a DTensor (FSDP2's sharded tensors), else ``value``."""
     from torch.distributed.tensor import DTensor
 
     return value.to_local() if isinstance(value, DTensor) else value
