@@ -27,11 +27,11 @@ ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return f"{n:.1f} GiB"  # the largest unit: 2048.0 GiB, not 2.0 TiB
 
 
 def file_in_the_way(path: str | os.PathLike) -> Path | None:

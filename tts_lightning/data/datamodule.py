@@ -184,11 +184,6 @@ class SpeakerClipsDataModule(LightningDataModule):
     # -- paths and settings ----------------------------------------------------------------------
 
     @property
-    def requested_speakers_arg(self) -> list[str] | None:
-        """The ``speakers`` argument, None when not given."""
-        return None if self.settings.speakers is None else list(self.settings.speakers)
-
-    @property
     def pretrained(self) -> str:
         """The pretrained directory or hub id, as given."""
         return self.settings.pretrained

@@ -111,9 +111,6 @@ class SpeakerClipsDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def prefill_length(self, index: int) -> int:
-        return self._prefill[index]
-
     def lengths(self) -> list[int]:
         """Talker positions of each example (prefill + frames): what a padded batch holds per row."""
         return [p + it.frames for p, it in zip(self._prefill, self.items)]

@@ -34,25 +34,6 @@ SUBTITLE_EXTENSIONS = (".srt", ".vtt")
 _LOSSLESS = frozenset({".wav", ".flac", ".aif", ".aiff"})
 _SUPPORTED_LIST = "/".join(sorted(AUDIO_EXTENSIONS))
 
-# Every rejection reason code used by the data pipeline (manifest + validation).
-REJECTION_REASONS: frozenset[str] = frozenset(
-    {
-        "malformed_entry",
-        "no_transcript",
-        "missing_file",
-        "missing_ref_audio",
-        "unreadable_audio",
-        "empty_transcript",
-        "too_short",
-        "too_long",
-        "silent",
-        "duplicate",
-        "clipped",
-        "transcript_mismatch",
-        "low_sample_rate",
-    }
-)
-
 DEFAULT_ENCODING = "utf-8"
 
 
@@ -145,7 +126,7 @@ class Rejection:
 
     source: str
     audio: str | None
-    reason: str  # one of REJECTION_REASONS
+    reason: str  # a code ("malformed_entry", "missing_file", "too_short", ...), what the summary counts
     detail: str
 
 

@@ -30,10 +30,7 @@ from tts_lightning.model.generation import PredictBatch
 from tts_lightning.model.layouts import SequenceLayout, VoiceReference
 from tts_lightning.model.synthesis import read_text_file
 
-BATCH_KEYS = ("text", "speaker", "language", "id", "padding")  # the item keys `collate_texts` reads
-
 __all__ = [
-    "BATCH_KEYS",
     "PredictBatch",
     "PredictionWriter",
     "TextsDataset",

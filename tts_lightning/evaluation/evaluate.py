@@ -50,8 +50,6 @@ from tts_lightning.metrics.speech import DEFAULT_LIMIT_FACTOR
 from tts_lightning.model.export import DTYPES
 from tts_lightning.model.synthesis import default_dtype, load_tts
 
-SYSTEMS = ("fine_tuned", "zero_shot_xvector", "zero_shot_icl")
-
 
 def evaluate(
     model: str | os.PathLike,

@@ -207,10 +207,6 @@ class TalkerBatch:
         a batch type of its own; without it the batch stayed pageable. Checked by gpu_check.sh."""
         return self._map(Tensor.pin_memory)
 
-    @property
-    def num_frames(self) -> Tensor:
-        return self.frame_mask.sum(1)
-
     def __len__(self) -> int:
         return self.text_ids.shape[0]
 
