@@ -12,7 +12,7 @@ the world-size-1 runs (FSDP1 switches to NO_SHARD there) with the samples callba
 
 What CPU cannot run is said in the config's own comment (e.g. ``cpu_offload``, which pins memory:
 tests/test_configs.py checks that those commented options still parse; the offload path itself is
-rehearsed in tests/distributed/test_process_group.py and measured by benchmarks/gpu_check.sh).
+rehearsed in tests/distributed/test_process_group.py and checked by benchmarks/gpu_check.sh when a GPU is lent).
 
 The one-process configs (the 1-GPU ones) rehearse two at a time, each in a thread of this process
 (`one_process_rehearsals`): a one-process run keeps one of the 2 CPU cores busy. A multi-process

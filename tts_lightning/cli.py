@@ -1,8 +1,10 @@
 """`tts-lightning fit|validate|test|predict --config ...`: LightningCLI for Qwen3-TTS voice cloning.
 
 The data module owns the pretrained path and the speaker list; the model receives both through
-``link_arguments`` so a config never states them twice. The run directory describes itself: the
-resolved config is saved next to the TensorBoard logs and checkpoints.
+``link_arguments`` so a config never states them twice. The run directory describes itself:
+Lightning saves the resolved config as ``config.yaml`` in the logger's folder, beside the TensorBoard
+logs (``<default_root_dir>/lightning_logs/version_N``; ``<default_root_dir>`` itself without a
+logger), and the checkpoints go to ``<default_root_dir>/checkpoints``.
 """
 
 from __future__ import annotations

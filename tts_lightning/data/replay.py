@@ -98,7 +98,8 @@ def _generation(info: PretrainedInfo, max_new_tokens: int) -> dict[str, Any]:
 
 
 def replay_folder(cache_dir: Path, info: PretrainedInfo, texts: Sequence[str], max_new_tokens: int, seed: int) -> Path:
-    """The folder of the replay records for these settings (`replay_key`)."""
+    """The folder of the replay records for these settings, ``replay/<key>``: the key hashes the model's
+    files, the texts, the generation settings and the seed."""
     from tts_lightning.data.fingerprints import fingerprint_files, fingerprint_memo
 
     files = [*weight_files(info.path), info.path / "config.json"]

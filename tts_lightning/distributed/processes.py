@@ -22,7 +22,7 @@ def choose_backend(device: torch.device, cpu_offload: bool, requested: str | Non
     gradient clipping all-reduces their norm over the mesh's group, which NCCL refuses ("No backend
     type associated with device type cpu"). Rehearsed on CPU by
     tests/distributed/test_process_group.py (gloo registered for the CUDA device type only stands in
-    for NCCL); measured on a GPU by benchmarks/gpu_check.sh."""
+    for NCCL); benchmarks/gpu_check.sh checks it on a GPU when one is lent."""
     if requested:
         return requested
     if device.type == "cuda":

@@ -17,7 +17,7 @@ Why stochastic rounding: bf16 keeps 8 significant bits, so a weight w moves only
 exceeds half a unit in the last place, about w/256. At fine-tuning rates (lr 2e-6, updates of about
 lr per step) nearly every update is smaller and round-to-nearest drops it: the weights never move.
 Rounding up with probability (remainder / ulp) keeps each update's expected value. bf16 weights with
-any other optimizer are refused (`check_precision`).
+any other optimizer are refused (`check_optimizer`).
 
 torchao compiles its step per parameter shape (``torch.compile(fullgraph=True)``): on GPUs that is
 its fast path; on the CPU, where compiling every shape costs minutes and the step is not the cost,
