@@ -139,6 +139,7 @@ def work(tmp_path_factory, tiny_dir) -> Path:
     (damaged / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (root / "broken.yaml").write_text("data: a: b\n")
     (root / "text.ckpt").write_text("not a checkpoint\n")
+    (root / "latin1.txt").write_bytes("Bon été.\n".encode("latin-1"))
     lines = (root / "demo" / "train.jsonl").read_text().splitlines()
     one_bob = [line for line in lines if '"bob"' not in line] + [next(line for line in lines if '"bob"' in line)]
     (root / "demo" / "one_bob.jsonl").write_text("\n".join(one_bob) + "\n")
@@ -237,6 +238,7 @@ def test_prepare_refuses_what_fit_would(work, tiny_dir, tmp_path, capsys):
         ("fit", ["--data.language", "klingon", "--data.cache_dir", "{work}/klingon"], "data.language: language 'klingon' is not supported by this model; use 'auto' or one of ['chinese', 'english', 'french', 'german', 'japanese']"),
         ("predict", [], "nothing to predict: give predict_texts and/or predict_texts_file (one text per line)"),
         ("predict", ["--data.predict_texts_file", "{work}/nope.txt"], "predict texts file {work}/nope.txt not found"),
+        ("predict", ["--data.predict_texts_file", "{work}/latin1.txt"], "data.predict_texts_file {work}/latin1.txt is not UTF-8 text (invalid continuation byte at byte 4)"),
         ("predict", ["--data.predict_texts", "[Hi.]", "--data.predict_speakers", "[carol]"], "predict_speakers 'carol' are not speakers of this run (alice, bob)"),
     ],
 )  # fmt: skip
