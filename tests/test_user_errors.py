@@ -56,6 +56,7 @@ CASES = [
     ("fit", [*FIT, "--data.pretrained", "{work}/damaged"], "{work}/damaged/model.safetensors is damaged or incomplete (Error while deserializing header: incomplete metadata, file not fully covered): download or copy it again"),
     ("fit", [*FIT, "--data.pretrained", "{cv}", "--model.adapter.rank", "8"], "model.adapter: LoRA is not offered from a custom_voice model ({cv}): its speakers are codec-embedding rows that train in full; train without model.adapter"),
     ("fit", [*FIT, "--data.train_manifest", "{work}/nope.jsonl"], "manifest not found: {work}/nope.jsonl"),
+    ("fit", [*FIT, "--data.train_manifest", "nope/train.jsonl"], "manifest not found: nope/train.jsonl (relative to the current folder, {cwd})"),
     ("fit", [*FIT, "--data.val_fraction", "2"], "val_fraction must be in [0, 1), got 2.0"),
     ("fit", [*FIT, "--data.num_reference_clips", "0"], "num_reference_clips must be positive, got 0"),
     ("fit", [*FIT, "--data.replay_fraction", "0.2"], "data.replay_fraction: replay needs a custom_voice model with built-in speakers as data.pretrained ({tiny} is 'base'); set data.replay_fraction: 0"),
@@ -213,7 +214,7 @@ def _one_message(err: str, command: str) -> str:
 def test_a_user_error_is_one_message_and_exit_status_2(
     command, args, message, work, tiny_dir, tiny_custom_voice_dir, trapped_trainer, capsys
 ):
-    values = {"work": work, "tiny": tiny_dir, "cv": tiny_custom_voice_dir}
+    values = {"work": work, "tiny": tiny_dir, "cv": tiny_custom_voice_dir, "cwd": Path.cwd()}
     code, err = _run(command, _fill(args, values), capsys)
     assert (code, _one_message(err, command)) == (USAGE, message.format(**values))
     assert not (work / "cache").exists() and not (work / "run").exists()  # found before any work

@@ -462,7 +462,8 @@ def load_manifest(path: str | Path, default_speaker: str = "speaker", encoding: 
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"manifest not found: {p}")
+        where = "" if p.is_absolute() else f" (relative to the current folder, {Path.cwd()})"
+        raise FileNotFoundError(f"manifest not found: {p}{where}")
     if p.is_dir():
         if (p / "metadata.csv").is_file():
             return read_ljspeech_csv(p / "metadata.csv", default_speaker, encoding)
