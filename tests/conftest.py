@@ -18,20 +18,30 @@ torch.set_num_threads(1)
 
 
 # `make test` sets this: a test that skips there fails instead, since a skip would pass silently
-# (the README installs everything the suite uses). Only the checks of messages a machine without a
-# GPU prints may skip, on a machine with one.
-MAY_SKIP_ONLY = ("the GPU is there",)
+# (the README installs everything the suite uses). Only what the machine itself rules out may skip:
+# the checks of messages a machine without a GPU prints, on a machine with one; the full-disk tests,
+# which mount a small tmpfs, where the user is not root.
+MAY_SKIP_ONLY = ("the GPU is there", "cannot mount a tmpfs here (needs root)")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+def _fail_a_skip(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail") and os.environ.get("TTS_LIGHTNING_NO_SKIPS") == "1":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         if not reason.removeprefix("Skipped: ").startswith(MAY_SKIP_ONLY):
             report.outcome = "failed"
             report.longrepr = f"skipped under `make test`, where no test may skip: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):  # a whole module skipped as it is collected
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
 
 
 @pytest.fixture(autouse=True)

@@ -182,7 +182,7 @@ def _route(argv: list[str], from_command_line: bool) -> int:
             from lightning.pytorch.utilities.exceptions import SIGTERMException
             from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-            from tts_lightning.cli import cli_main, what_a_stopped_fit_kept
+            from tts_lightning.cli import cli_main, forget_the_fit, what_a_stopped_fit_kept
 
             def stopped(how: str, status: int) -> int:
                 kept = "no results were written"
@@ -194,6 +194,7 @@ def _route(argv: list[str], from_command_line: bool) -> int:
                     print(f"tts-lightning {argv[0]}: stopped by {how} before the end; {kept}", file=sys.stderr)
                 return status
 
+            forget_the_fit()  # an earlier call's fit in this process (tests, notebooks)
             try:
                 # From the command line LightningCLI reads sys.argv itself (given args, it warns that
                 # they are meant for calls from Python).

@@ -35,21 +35,38 @@ def _speaker_names(data: SpeakerClipsDataModule) -> list[str]:
     return list(data.speaker_names)
 
 
-# The checkpoint folder of the fit this process runs (None: checkpointing off), once the fit
-# starts, for the line a fit stopped by Ctrl-C or SIGTERM ends with (`what_a_stopped_fit_kept`).
-_FIT_NOT_STARTED = object()
-_fit_checkpoints: Any = _FIT_NOT_STARTED
+# Where the fit this process runs checkpoints, set as it starts (`before_fit`) and read for the line
+# a fit stopped by Ctrl-C or SIGTERM ends with: None while unknown, () with checkpointing off, else
+# (its checkpoint folder, its default_root_dir, where SLURM's requeue checkpoints go).
+_fit_checkpoints: tuple[str, str] | tuple[()] | None = None
+
+
+def forget_the_fit() -> None:
+    """Before a command's fit: a fit that ran earlier in this process says nothing of this one."""
+    global _fit_checkpoints
+    _fit_checkpoints = None
 
 
 def what_a_stopped_fit_kept() -> str:
     """What a fit stopped before its end leaves, and how to go on: a rerun of the same command
     where no checkpoint was written yet (`--ckpt_path last` where one was)."""
-    folder = _fit_checkpoints
-    if folder is _FIT_NOT_STARTED or (folder is not None and newest_checkpoint(folder) is not None):
+    where = _fit_checkpoints
+    if where is None or (where and newest_checkpoint(*where) is not None):
         return "the checkpoints written so far are kept: resume with --ckpt_path last"
-    if folder is None:
+    if not where:
         return "checkpointing is off: nothing was saved"
-    return f"no checkpoint was written yet (in {folder}): run the same command again"
+    return f"no checkpoint was written yet (in {where[0]}): run the same command again"
+
+
+def check_callback_speakers(callbacks: Any, speakers: list[str]) -> None:
+    """The samples callbacks' speakers against the run's, once before the ranks start (`fit`,
+    `validate`, `ray-fit`'s driver); their `setup` checks again on every rank, for runs started
+    without this command."""
+    from tts_lightning.callbacks.samples import SpeakerSamplesCallback
+
+    for callback in callbacks or []:
+        if isinstance(callback, SpeakerSamplesCallback):
+            callback.check_speakers(speakers)
 
 
 def _checkpoint_dir(default_root_dir: str | None) -> str:
@@ -349,13 +366,27 @@ class TTSLightningCLI(LightningCLI):
 
     def before_fit(self) -> None:
         global _fit_checkpoints
-        _fit_checkpoints = getattr(self.trainer.checkpoint_callback, "dirpath", None)
+        callbacks = self.trainer.checkpoint_callbacks
+        ours = [c for c in callbacks if isinstance(c, LastStepCheckpoint)] or callbacks  # `checkpoint:`
+        folder = getattr(ours[0], "dirpath", None) if ours else None
+        _fit_checkpoints = None  # a folder Lightning names only at setup: unknown
+        if not callbacks or folder:
+            _fit_checkpoints = (str(folder), str(self.trainer.default_root_dir)) if folder else ()
         self._check_ckpt_path()
         self._check_callbacks()
-        if self.config_init["fit"].get("ckpt_path") is not None:
-            # Lightning warns of a checkpoint folder with files in it, which a resumed run's always
-            # has (a new fit in an earlier run's folder is refused: `refuse_an_earlier_runs_folder`).
+        resumed = self.config_init["fit"].get("ckpt_path")
+        if resumed is not None and folder and self._in_the_runs_folders(resumed, folder):
+            # Lightning warns of a checkpoint folder with files in it, which a run resumed from its
+            # own always has (a new fit there is refused: `refuse_an_earlier_runs_folder`).
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+    def _in_the_runs_folders(self, path: Any, folder: Any) -> bool:
+        """Whether ``path`` is one of the run's own checkpoints: in its checkpoint folder, or a SLURM
+        requeue checkpoint in its default_root_dir."""
+        if "://" in str(path) or "://" in str(folder):
+            return False
+        parent = Path(path).expanduser().resolve().parent
+        return parent in (Path(folder).expanduser().resolve(), Path(self.trainer.default_root_dir).resolve())
         self._check_optimizer()
 
     def _check_optimizer(self) -> None:
@@ -368,16 +399,9 @@ class TTSLightningCLI(LightningCLI):
             check_optimizer(optimizer, str(self.trainer.precision))
 
     def _check_callbacks(self) -> None:
-        """The samples callback's speakers, against the run's, once before the ranks start (its
-        `setup` checks them again on every rank, for runs started without this command)."""
-        from tts_lightning.callbacks.samples import SpeakerSamplesCallback
-
         speakers = self._speakers()
-        if speakers is None:
-            return
-        for callback in cast(Any, self.trainer).callbacks:
-            if isinstance(callback, SpeakerSamplesCallback):
-                callback.check_speakers(speakers)
+        if speakers is not None:
+            check_callback_speakers(cast(Any, self.trainer).callbacks, speakers)
 
     def before_validate(self) -> None:
         self._check_ckpt_path()
@@ -445,8 +469,6 @@ def cli_main(
     """The CLI every entry point builds (`fit` and friends, `ray-fit` workers, config tests)."""
     from tts_lightning import console
 
-    global _fit_checkpoints
-    _fit_checkpoints = _FIT_NOT_STARTED  # this call's fit has not started (an earlier call's had)
     console.install()  # also in processes that do not start from `tts-lightning` (Ray workers)
     return cli_class(
         Qwen3TTSModule,

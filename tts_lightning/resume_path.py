@@ -104,7 +104,7 @@ def check_checkpoint(
     table has a row each), or with a LoRA adapter where the run has none (``adapter``: whether it
     has one) or the reverse (its tensors are another set), or a sharded checkpoint the other FSDP
     strategy wrote (``sharded_prefix``: the run's strategy's layout), is one line naming it."""
-    from tts_lightning.model.checkpoint import CheckpointError, CheckpointReader, refuse_other_strategy
+    from tts_lightning.model.checkpoint import GIVE_THE_FOLDER, CheckpointError, CheckpointReader, refuse_other_strategy
 
     hint = "give a checkpoint file or a sharded checkpoint folder"
     if not Path(path).exists():
@@ -112,7 +112,8 @@ def check_checkpoint(
     try:
         reader = CheckpointReader(path)
     except CheckpointError as exc:
-        raise ConfigError(f"ckpt_path: {exc}: {hint}") from exc
+        said = str(exc) if str(exc).endswith(GIVE_THE_FOLDER) else f"{exc}: {hint}"
+        raise ConfigError(f"ckpt_path: {said}") from exc
     hyper_parameters = reader.hyper_parameters
     if sharded_prefix is not None and reader.sharded_prefix is not None:
         refuse_other_strategy(path, reader.sharded_prefix, sharded_prefix)

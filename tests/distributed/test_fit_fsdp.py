@@ -488,7 +488,7 @@ def test_a_sharded_checkpoint_of_the_other_strategy_is_one_line(fitted, cli, wor
     ckpt = newest_last(fitted[0])
     said = (
         f"tts-lightning fit: error: ckpt_path {ckpt} is a sharded checkpoint of FSDP1 (Qwen3TTSFSDPStrategy), "
-        "this run uses FSDP2 (Qwen3TTSFSDP2Strategy): resume with the strategy it was written with (the config "
+        "this run uses FSDP2 (Qwen3TTSFSDP2Strategy): use the strategy it was written with (the config "
         "it was trained with); `tts-lightning export` reads either\n"
     )
     args = [str(a) for a in fit_args(TINY_CPU_FSDP2, workdir, tiny_dir, "other-strategy", "--ckpt_path", ckpt)]

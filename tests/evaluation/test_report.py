@@ -106,6 +106,8 @@ def test_pairs_without_spread_get_the_sign_test_not_p_0():
     six = compare([0.0] * 6, [1.0] * 6, higher_is_better=False)
     assert (six["p_value"], six["verdict"]) == (1 / 32, "better")
     assert compare([0.3, 0.3], [0.3, 0.3], higher_is_better=True)["p_value"] == 1.0
+    rounding = compare([0.1 + 0.2] * 6, [0.3] * 6, higher_is_better=True)  # 5.6e-17 apart: no difference
+    assert (rounding["difference"], rounding["p_value"], rounding["verdict"]) == (0.0, 1.0, "within noise")
 
 
 def test_pace_error_is_symmetric_in_faster_and_slower():

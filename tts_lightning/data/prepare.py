@@ -354,7 +354,7 @@ class DataPreparer:
         return replay_texts(self.settings.replay_texts, self.settings.replay_texts_file)
 
     def check_replay(self) -> None:
-        """Raise ConfigError for replay settings that cannot work (the model, the texts); quick."""
+        """Raise a one-line user error for replay settings that cannot work (the model, the texts); quick."""
         if self.settings.replay_fraction > 0:
             check_replay(self.info, self.settings.replay_fraction)
             self.replay_texts()

@@ -49,12 +49,13 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment, prepare_trainer
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from tts_lightning.cli import TTSLightningCLI, cli_main
+from tts_lightning.cli import TTSLightningCLI, check_callback_speakers, cli_main
 from tts_lightning.distributed.fsdp import Qwen3TTSFSDPStrategy
 from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 from tts_lightning.distributed.processes import choose_backend
 from tts_lightning.distributed.ray_checkpoints import RayCheckpointReport, checkpoint_file, latest_checkpoint
 from tts_lightning.errors import ConfigError
+from tts_lightning.resume_path import check_checkpoint
 
 
 class RayQwen3TTSFSDPStrategy(Qwen3TTSFSDPStrategy, RayFSDPStrategy):
@@ -248,7 +249,10 @@ def prepare_on_driver(args: list[str], ckpt_path: str | None = None, *, use_gpu:
     folder refused, here: the workers build their trainers without `fit`'s checks), and prepare
     the data once, here."""
     cli = build_cli(args, None)
-    ray_strategy(cli.config["trainer"].get("strategy"))  # refuse a strategy other than FSDP1 / FSDP2 early
+    strategy, _ = ray_strategy(cli.config["trainer"].get("strategy"))  # only FSDP1 / FSDP2, refused early
+    if ckpt_path is not None:  # a sharded checkpoint of the other strategy: one line here, not on every worker
+        check_checkpoint(ckpt_path, sharded_prefix=getattr(strategy, "SHARDED_PREFIX", None))
+    check_callback_speakers(cli.config_init["trainer"].get("callbacks"), list(cli.datamodule.speaker_names))
     accelerator = str(cli.config["trainer"].get("accelerator") or "auto")
     if accelerator in ("gpu", "cuda") and not use_gpu:
         # Ray, not the config, places the workers: a GPU config would train on CPU workers.

@@ -240,7 +240,8 @@ def evaluation_html(result: dict[str, Any], sample_rate: int) -> str:
         body += ["<h2>All speakers</h2>", _verdicts_table(result["all_speakers"], alpha)]
         body.append(
             "<p>Each speaker counts once: Δ and the paired t-test are over the speakers' means, for the "
-            "speakers both systems spoke for.</p>"
+            "speakers both systems spoke for (the exact sign test where every speaker differs by the same "
+            "amount).</p>"
         )
     for name, speaker in result["speakers"].items():
         body += _speaker_section(name, speaker, sample_rate, result["settings"].get("alpha", DEFAULT_ALPHA))

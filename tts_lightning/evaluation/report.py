@@ -28,6 +28,9 @@ def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]
     return m, sd
 
 
+ROUNDING = 1e-12  # differences this close to 0 are none (0.1 + 0.2 - 0.3)
+
+
 def compare(
     ours: Sequence[float | None],
     theirs: Sequence[float | None],
@@ -47,7 +50,8 @@ def compare(
     test on the discordant pairs (only one system failed), since pairs that agree carry no evidence.
     Scores whose pairs all differ by the same amount (no spread: 2 speakers' failure rates 0 against
     1) leave the t statistic undefined: the exact sign test then says what n pairs all one way can
-    show (two-sided p = 2 / 2^n: 0.5 for 2 pairs), not p = 0."""
+    show (two-sided p = 2 / 2^n: 0.5 for 2 pairs), not p = 0. Differences within rounding of 0
+    count as none."""
     from scipy import stats
 
     pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a is not None and b is not None]
@@ -56,6 +60,8 @@ def compare(
         return {"difference": None, "p_value": None, "test": None, "pairs": 0, "verdict": "n/a"}
     diffs = [a - b for a, b in pairs]
     diff = sum(diffs) / len(diffs)
+    if math.isclose(diff, 0.0, abs_tol=ROUNDING):
+        diff = 0.0
     if binary:
         test = "exact McNemar"
         worse_for_ours, better_for_ours = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
@@ -65,9 +71,12 @@ def compare(
         test = "paired t"
         if len(pairs) < 2:
             p = 1.0  # one pair: no spread, no evidence
-        elif math.isclose(max(diffs), min(diffs), rel_tol=1e-9, abs_tol=1e-12):
-            test = "sign (no spread)"  # the same difference in every pair (to rounding)
-            p = 1.0 if diff == 0 else float(stats.binomtest(len(pairs), len(pairs), 0.5).pvalue)
+        elif math.isclose(max(diffs), min(diffs), rel_tol=1e-9, abs_tol=ROUNDING):  # no spread
+            if diff != 0:  # every pair one way: a sign test of n pairs
+                test = "sign (no spread)"
+                p = float(stats.binomtest(len(pairs), len(pairs), 0.5).pvalue)
+            else:
+                p = 1.0
         else:
             p = float(stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
     if p >= alpha or diff == 0:
@@ -229,7 +238,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         row("real-time factor", lambda s: _fmt(s["real_time_factor"], digits=2))
     pooled_note = (
         f"{ALL_SPEAKERS}: each speaker counts once (Δ and the paired t-test on the speakers' means, over the "
-        "speakers both systems spoke for)."
+        "speakers both systems spoke for; the exact sign test where every speaker differs by the same amount)."
     )
     notes = [
         "",
@@ -237,7 +246,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         "Δ: fine-tuned minus zero-shot, the mean over the same (text, seed) pairs (for the speaking rate: "
         "the change in |log ratio|, the distance from the speaker's pace; negative is closer). Verdict: "
         f"better / worse when a paired test gives p < {alpha:g} (paired t-test for similarity and pace, "
-        "exact McNemar test for end-of-speech failures), else within noise.",
+        "exact McNemar test for end-of-speech failures; the exact sign test where every pair differs by the "
+        "same amount), else within noise.",
     ]
     for name, speaker in result["speakers"].items():
         if not speaker.get("real_clips_held_out", True):

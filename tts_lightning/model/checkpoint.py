@@ -29,6 +29,7 @@ from tts_lightning.model.row_blocks import block_groups, join_blocks, official_l
 
 MODEL_PREFIX = "model."  # Lightning's FSDP1 sharded layout: {"model": module state, "optimizer_0": ...}
 FSDP2_PREFIX = "state_dict."  # FSDP2's (`Qwen3TTSFSDP2Strategy`): {"state_dict": module state, ...}
+GIVE_THE_FOLDER = "give that folder"  # what to do instead, in the message: no other hint after it
 TRUST_HINT = (
     "If you made this checkpoint yourself and trust it, pass --trust-checkpoint "
     "(trust=True in Python) to load it anyway."
@@ -55,7 +56,7 @@ def refuse_other_strategy(path: str | os.PathLike, written_prefix: str, run_pref
     if written_prefix != run_prefix:
         raise ConfigError(
             f"ckpt_path {path} is a sharded checkpoint of {SHARDED_BY[written_prefix]}, this run uses "
-            f"{SHARDED_BY[run_prefix]}: resume with the strategy it was written with (the config it was "
+            f"{SHARDED_BY[run_prefix]}: use the strategy it was written with (the config it was "
             "trained with); `tts-lightning export` reads either"
         )
 
@@ -97,9 +98,11 @@ class CheckpointReader:
         if not path.exists():
             raise CheckpointError(f"checkpoint {path} does not exist")
         if path.is_file() and (path.parent / ".metadata").is_file():  # meta.pt, __0_0.distcp
-            raise CheckpointError(f"{path} is one file of the sharded checkpoint {path.parent}: give that folder")
+            raise CheckpointError(f"{path} is one file of the sharded checkpoint {path.parent}: {GIVE_THE_FOLDER}")
         if path.is_file() and not zipfile.is_zipfile(path):  # what torch.save writes
-            raise CheckpointError(f"{path} is not a checkpoint (not a file torch.save wrote)")
+            raise CheckpointError(
+                f"{path} is not a checkpoint (not a whole file written by torch.save: another format, or cut short)"
+            )
         self.sharded = path.is_dir()
         self._prefix = MODEL_PREFIX  # of the module's keys in a sharded checkpoint (`SHARDED_BY`)
         try:
