@@ -71,7 +71,9 @@ def test_references_at_any_rate_channels_and_length(tiny_dir, tmp_path):
     # b is the fp32 mean of its references, each encoded on its own.
     mean = torch.stack([encoder.embed_files([mono16]), encoder.embed_files([mono24])]).mean(0)
     torch.testing.assert_close(table.embeddings[1], mean)
-    # The same voice at 48 kHz stereo and 24 kHz mono gives (nearly) the same embedding.
+    # a is its 48 kHz stereo clip read as every clip is (`load_audio`: mono, 24 kHz; tested in
+    # test_audio.py), exactly; and the same voice at 24 kHz mono gives nearly the same embedding.
+    torch.testing.assert_close(table.embeddings[0], encoder.embed(load_audio(stereo48).reshape(-1)))
     cos = torch.nn.functional.cosine_similarity(table.embeddings[0], encoder.embed_files([mono24]), dim=0)
     assert cos > 0.99
 
