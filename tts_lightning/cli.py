@@ -255,7 +255,7 @@ class TTSLightningCLI(LightningCLI):
         stopped fit's command without ``--ckpt_path last`` lost it). Not checked where the ranks are
         started by torchrun or SLURM (each rank checks its own storage: one that stopped here would
         leave the others waiting); `ray-fit` checks on its driver."""
-        if self.trainer is None:  # ray-fit's driver builds no Trainer: the folder the workers' will use
+        if cast(Any, self.trainer) is None:  # ray-fit's driver builds no Trainer: the workers' folder
             dirpath = (self.config.get("checkpoint") or {}).get("dirpath")
         elif self._ranks_read_their_own_storage():
             return
@@ -374,6 +374,7 @@ class TTSLightningCLI(LightningCLI):
             _fit_checkpoints = (str(folder), str(self.trainer.default_root_dir)) if folder else ()
         self._check_ckpt_path()
         self._check_callbacks()
+        self._check_optimizer()
         resumed = self.config_init["fit"].get("ckpt_path")
         if resumed is not None and folder and self._in_the_runs_folders(resumed, folder):
             # Lightning warns of a checkpoint folder with files in it, which a run resumed from its
@@ -387,7 +388,6 @@ class TTSLightningCLI(LightningCLI):
             return False
         parent = Path(path).expanduser().resolve().parent
         return parent in (Path(folder).expanduser().resolve(), Path(self.trainer.default_root_dir).resolve())
-        self._check_optimizer()
 
     def _check_optimizer(self) -> None:
         """bf16 weights without stochastic rounding (and the reverse) fail here, before any other

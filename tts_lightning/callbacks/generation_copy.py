@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -40,7 +40,7 @@ def generation_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iter
 
     plain = pl_module.model
     assert isinstance(plain, nn.Module)
-    root = trainer.strategy.model
+    root: Any = trainer.strategy.model  # FSDP1's wrapper, FSDP2's sharded module or the plain one
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state: dict[str, Tensor] | None = None  # None: copy from the parameters themselves
     if isinstance(root, FSDPModule):  # FSDP2: the parameters are DTensor shards

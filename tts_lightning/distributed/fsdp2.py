@@ -244,7 +244,7 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
         says (torch keeps a root's gathered when it is left unset)."""
         from torch.distributed.fsdp import FSDPModule
 
-        module = self.lightning_module
+        module: Any = self.lightning_module  # fully_shard made it an FSDPModule too
         try:
             return super().predict_step(*args, **kwargs)
         finally:

@@ -99,7 +99,7 @@ class LoRASettings:
         return asdict(self)
 
     @classmethod
-    def coerce(cls, value: LoRASettings | dict | None) -> LoRASettings | None:
+    def coerce(cls, value: Any) -> LoRASettings | None:  # settings, a dict, jsonargparse's Namespace, None
         if value is None or isinstance(value, LoRASettings):
             return value
         if isinstance(value, dict):
