@@ -21,6 +21,7 @@ import numpy as np
 from tts_lightning.data.codec_cache import CodecCache
 from tts_lightning.data.manifest import ClipRecord
 from tts_lightning.data.validation import AcceptedClip
+from tts_lightning.ray_start import start_ray
 
 INSTALL_HINT = "pip install 'tts-lightning[ray]'"
 
@@ -63,11 +64,6 @@ def worker_pretrained(resolved: str, named: str) -> str:
     the user cache) where the worker's node has it, else the name the user gave, for that node to
     resolve (the driver's cache folders are on its own disk)."""
     return resolved if Path(resolved).is_dir() else named
-
-
-def _package_root() -> str:
-    """The folder that holds the tts_lightning package (for the workers' PYTHONPATH)."""
-    return str(Path(__file__).resolve().parents[2])  # <root>/tts_lightning/data/ray_prepare.py
 
 
 def actor_device(device: str | None, *, cuda_available: bool | None = None) -> tuple[float, str]:
@@ -126,19 +122,8 @@ def encode_with_ray(
             )
     if not rows:
         return 0
-    started = not ray.is_initialized()
-    if started:
-        init: dict = {"address": address, "include_dashboard": False, "log_to_driver": False}
-        if address == "local":
-            init["num_cpus"] = max(os.cpu_count() or 1, num_workers)
-            pythonpath = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-            init["runtime_env"] = {
-                "env_vars": {
-                    "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                }
-            }
-        ray.init(**init)
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if address == "local" else None
+    started = start_ray(address, num_workers, threads, include_dashboard=False, log_to_driver=False)
     try:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False

@@ -55,6 +55,7 @@ from tts_lightning.distributed.fsdp2 import Qwen3TTSFSDP2Strategy
 from tts_lightning.distributed.processes import choose_backend
 from tts_lightning.distributed.ray_checkpoints import RayCheckpointReport, checkpoint_file, latest_checkpoint
 from tts_lightning.errors import ConfigError
+from tts_lightning.ray_start import start_ray
 from tts_lightning.resume_path import check_checkpoint
 
 
@@ -230,10 +231,6 @@ def _prepare_trainer(trainer: Trainer) -> Trainer:
 # -- the driver -----------------------------------------------------------------------------------
 
 
-def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
 def worker_cpus(cluster: dict[str, float], use_gpu: bool, cpu_offload: bool) -> float:
     """CPUs each worker asks for, by default: one, except GPU workers under ``cpu_offload``, whose
     optimizer steps on the CPU: the cluster's CPUs per GPU (Ray then sets the worker's
@@ -290,20 +287,8 @@ def run(args: list[str], options: RayOptions, *, ckpt_path: str | None = None):
     if options.use_gpu:
         resources.setdefault("GPU", 1)
 
-    env_vars = dict(options.env_vars)
-    started = not ray.is_initialized()
-    if started:
-        init: dict[str, Any] = {"address": options.address}
-        if options.address == "local":
-            init["include_dashboard"] = False
-            # A one-machine cluster sized for the requested workers; workers import this package
-            # from where the driver does.
-            init["num_cpus"] = max(os.cpu_count() or 1, int(options.num_workers * resources["CPU"]))
-            path = [_package_root(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-            env_vars.setdefault("PYTHONPATH", os.pathsep.join(dict.fromkeys(path)))
-        if env_vars:
-            init["runtime_env"] = {"env_vars": env_vars}
-        ray.init(**init)
+    # A local cluster sized for the requested workers.
+    started = start_ray(options.address, int(options.num_workers * resources["CPU"]), dict(options.env_vars))
     try:
         _check_every_node_sees(cli, storage_path, options.use_gpu)
     except BaseException:
