@@ -31,6 +31,7 @@ from tts_lightning.model.custom_voice import new_speaker_ids, speaker_codec_ids
 from tts_lightning.model.pretrained import PretrainedInfo, check_pretrained
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}  # config.json's torch_dtype
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 CODEC_EMBEDDING = "model.talker.model.codec_embedding.weight"
 DEFAULT_SHARD_BYTES = 2**29  # safetensors shards of 512 MiB: export needs about two of them in memory
@@ -178,11 +179,7 @@ def export_custom_voice(
     optimizer state), cast, written as safetensors shards of at most ``max_shard_size`` bytes
     (one file when the model fits in one), and freed, so memory stays near one shard.
     """
-    out = Path(out).expanduser().resolve()
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    check_replaceable(out, overwrite)
-    reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    out, reader = _open(ckpt, out, dtype, overwrite, trust_checkpoint)
     refuse_the_source(out, pretrained or reader.hyper_parameters.get("pretrained"))
     rows = reader.hyper_parameters.get("speaker_codec_ids")
     if rows is None:  # from a Base model: the speakers' x-vectors become new codec rows
@@ -192,25 +189,9 @@ def export_custom_voice(
     else:  # from a CustomVoice model: the trained rows are in the weights already
         info, config = _kept_voices_config(reader, ckpt, pretrained, [int(r) for r in rows], dtype)
         speaker_rows = {}
-
-    target = DTYPES[dtype]
-    adapter = _adapter_settings(reader.hyper_parameters)
-    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+    source = _weights(reader, info)
     keys = [k for k in source.keys() if not k.startswith("model.speaker_encoder.")]
-    itemsize = torch.empty(0, dtype=target).element_size()
-    groups = groups_of_bytes(keys, lambda k: source.numel(k) * itemsize, max_shard_size)
-    names = (
-        ["model.safetensors"]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-
-    with staged_directory(out) as tmp:
-        _copy_pretrained_files(info.path, tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_weights(tmp, source, names, groups, target, speaker_rows=speaker_rows)
-        replace_directory(tmp, out)
-    return out
+    return _write_export(out, info, config, source, keys, dtype, max_shard_size, speaker_rows)
 
 
 def export_base(
@@ -228,11 +209,7 @@ def export_base(
     ``generate_voice_clone`` (a reference clip and its transcript in the prompt, as trained). The
     run's speaker table is not written: cloning embeds the reference clip itself. Streamed and
     atomic like `export_custom_voice`."""
-    out = Path(out).expanduser().resolve()
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    check_replaceable(out, overwrite)
-    reader = CheckpointReader(ckpt, trust=trust_checkpoint)
+    out, reader = _open(ckpt, out, dtype, overwrite, trust_checkpoint)
     source_dir = pretrained or reader.hyper_parameters.get("pretrained")
     refuse_the_source(out, source_dir)
     if source_dir is None:
@@ -241,12 +218,44 @@ def export_base(
     config = json.loads((info.path / "config.json").read_text())
     if config.get("tts_model_type") != "base":
         raise ExportError(f"{info.path} is a {config.get('tts_model_type')} model: a base export needs a base model")
-    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
-    adapter = _adapter_settings(reader.hyper_parameters)
-    source = _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+    config["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
+    source = _weights(reader, info)
     keys = source.keys()
     if not any(k.startswith("model.speaker_encoder.") for k in keys):
         raise ExportError(f"{ckpt}: holds no speaker encoder, which generate_voice_clone needs")
+    return _write_export(out, info, config, source, keys, dtype, max_shard_size, speaker_rows={})
+
+
+def _open(
+    ckpt: str | os.PathLike, out: str | os.PathLike, dtype: str, overwrite: bool, trust: bool
+) -> tuple[Path, CheckpointReader]:
+    """An export's checks before any work: the dtype, the folder it may replace, the checkpoint."""
+    out = Path(out).expanduser().resolve()
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_replaceable(out, overwrite)
+    return out, CheckpointReader(ckpt, trust=trust)
+
+
+def _weights(reader: CheckpointReader, info: PretrainedInfo) -> _CheckpointSource | _LoRASource:
+    """The checkpoint's weights as the export writes them: a LoRA run's merged into its base."""
+    adapter = _adapter_settings(reader.hyper_parameters)
+    return _CheckpointSource(reader) if adapter is None else _LoRASource(reader, info, adapter)
+
+
+def _write_export(
+    out: Path,
+    info: PretrainedInfo,
+    config: dict,
+    source: _CheckpointSource | _LoRASource,
+    keys: list[str],
+    dtype: str,
+    max_shard_size: int,
+    speaker_rows: dict,
+) -> Path:
+    """``out``, written atomically: the pretrained folder's other files, ``config``, and the
+    ``keys`` of ``source`` cast to ``dtype``, streamed into safetensors shards of at most
+    ``max_shard_size`` bytes (one file when they fit in one)."""
     target = DTYPES[dtype]
     itemsize = torch.empty(0, dtype=target).element_size()
     groups = groups_of_bytes(keys, lambda k: source.numel(k) * itemsize, max_shard_size)
@@ -258,7 +267,7 @@ def export_base(
     with staged_directory(out) as tmp:
         _copy_pretrained_files(info.path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_weights(tmp, source, names, groups, target, speaker_rows={})
+        _write_weights(tmp, source, names, groups, target, speaker_rows=speaker_rows)
         replace_directory(tmp, out)
     return out
 
@@ -320,7 +329,7 @@ def _custom_voice_config(
     config["tts_model_type"] = "custom_voice"
     talker["spk_id"] = {**(talker.get("spk_id") or {}), **dict(zip(speakers, new_ids))}
     talker["spk_is_dialect"] = {**(talker.get("spk_is_dialect") or {}), **{s: False for s in speakers}}
-    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
+    config["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
     return info, config, new_ids
 
 
@@ -343,7 +352,7 @@ def _kept_voices_config(
         )
     talker["spk_id"] = {**(talker.get("spk_id") or {}), **dict(zip(speakers, rows))}
     talker["spk_is_dialect"] = {s: False for s in speakers} | (talker.get("spk_is_dialect") or {})
-    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}[dtype]
+    config["torch_dtype"] = TORCH_DTYPE_NAMES[dtype]
     return info, config
 
 
