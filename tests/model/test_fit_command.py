@@ -55,6 +55,18 @@ def test_last_checkpoint_is_the_last_step(tiny_dir, demo_data, tmp_path, monkeyp
     # Without --ckpt_path Lightning validates the model as built: the pretrained weights, said.
     assert main(validate[: validate.index("--ckpt_path")]) == 0
     assert "validate: no --ckpt_path: the weights of data.pretrained as they are" in capsys.readouterr().out
+    # A resume from this run's checkpoint into another folder that holds files: Lightning's warning
+    # stays (its first save may replace them); silenced only for a resume from the run's own folder.
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "notes.txt").write_text("mine\n")
+    elsewhere = [*args[: args.index("--trainer.default_root_dir")], "--trainer.default_root_dir", str(other)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert (
+            main([*elsewhere, "--trainer.max_steps", "4", "--ckpt_path", str(run / "checkpoints" / "last.ckpt")]) == 0
+        )
+    assert [w for w in caught if "exists and is not empty" in str(w.message)]
 
 
 class CtrlCAt(Callback):
