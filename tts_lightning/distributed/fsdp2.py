@@ -324,12 +324,8 @@ class Qwen3TTSFSDP2Strategy(SchedulerSignals, AtomicCheckpoints, ModelParallelSt
             set_optimizer_state_dict,
         )
 
-        prefix = "state_dict."  # ModelParallelStrategy's layout: {"state_dict": ..., "optimizer_0": ...}
-        stored = {
-            k[len(prefix) :]
-            for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            if k.startswith(prefix)
-        }
+        # ModelParallelStrategy's layout: {"state_dict": ..., "optimizer_0": ...}; `metadata` read above
+        stored = {k[len(FSDP2_PREFIX) :] for k in metadata if k.startswith(FSDP2_PREFIX)}
         check_trainable(module, stored, path)
         assert self.model is not None
         # The module's own DTensor shards by key: DCP reads the checkpoint's pieces straight into them.

@@ -175,11 +175,7 @@ def ray_fit_command(argv: list[str]) -> int:
     from tts_lightning.distributed.ray import RayFitError, RayOptions, describe_result, run
 
     values = vars(options)
-    ckpt_path = values.pop("ckpt_path")
-    if ckpt_path is not None:  # one line here, not a traceback on every Ray worker
-        from tts_lightning.resume_path import check_checkpoint
-
-        check_checkpoint(ckpt_path)
+    ckpt_path = values.pop("ckpt_path")  # checked on the driver before Ray starts (`prepare_on_driver`)
     ray_options = RayOptions(**values)
     try:
         # A user error in the config or the data, found before Ray starts, is reported by the
